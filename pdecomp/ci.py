@@ -1,0 +1,135 @@
+"""Causal-importance (CI) functions and the two leaky squashings of their logits.
+
+`ci_lower` feeds every mask; `ci_upper` feeds importance minimality only (SPD_SEMANTICS.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from pdecomp.components import Components
+
+ALPHA = 0.01
+
+
+@jax.custom_vjp
+def ci_lower(x: Array) -> Array:
+    """Forward clamp(x, 0, 1); the backward lets a logit stuck below 0 climb back (leaky)."""
+    return jnp.clip(x, 0.0, 1.0)
+
+
+def _ci_lower_fwd(x: Array) -> tuple[Array, Array]:
+    return ci_lower(x), x
+
+
+def _ci_lower_bwd(x: Array, g: Array) -> tuple[Array]:
+    inside = (x > 0) & (x <= 1)
+    # Below 0 only a push upward (g < 0 under gradient descent) passes, scaled by ALPHA.
+    below = (x <= 0) & (g < 0)
+    return (jnp.where(inside, g, jnp.where(below, ALPHA * g, jnp.zeros_like(g))),)
+
+
+ci_lower.defvjp(_ci_lower_fwd, _ci_lower_bwd)
+
+
+def ci_upper(x: Array) -> Array:
+    """`1 + α(x − 1)` above 1, else clamp(x, 0, 1); plain autodiff."""
+    return jnp.where(x > 1, 1 + ALPHA * (x - 1), jnp.clip(x, 0.0, 1.0))
+
+
+def _init_layer(key: PRNGKeyArray, shape: tuple[int, ...], fan_in: int) -> Array:
+    return jax.random.normal(key, shape, jnp.float32) * jnp.sqrt(2.0 / fan_in)
+
+
+def _per_component_dense(h: Array, w: Float[Array, "C fan_in fan_out"]) -> Array:
+    """h [*pos, C or 1, fan_in] through each component's own [fan_in, fan_out] matrix.
+
+    Width-1 sides are broadcasts, not batched dots: XLA:CPU runs C tiny batched matmuls
+    several times slower than the same arithmetic written elementwise.
+    """
+    if w.shape[1] == 1:
+        return h * w[:, 0, :]
+    if w.shape[2] == 1:
+        return jnp.sum(h * w[:, :, 0], axis=-1, keepdims=True)
+    return jnp.einsum("...ci,cio->...co", jnp.broadcast_to(h, (*h.shape[:-2], w.shape[0],
+                                                              h.shape[-1])), w)
+
+
+class ComponentwiseMLP(eqx.Module):
+    """C independent MLPs evaluated together: weights carry a leading C axis.
+
+    `mlp` feeds component c its inner activation `x @ V[:, c]` (d_in = 1); `vector_mlp`
+    feeds every component the whole site input (d_in = the site's input width).
+    """
+
+    weights: list[Float[Array, "C fan_in fan_out"]]
+    biases: list[Float[Array, "C fan_out"]]
+    on_inner_acts: bool = eqx.field(static=True)
+
+    @staticmethod
+    def init(key: PRNGKeyArray, C: int, d_in: int, hidden: list[int],
+             on_inner_acts: bool) -> ComponentwiseMLP:
+        dims = [1 if on_inner_acts else d_in, *hidden, 1]
+        keys = jax.random.split(key, len(dims) - 1)
+        ws = [_init_layer(k, (C, a, b), a) for k, a, b in zip(keys, dims[:-1], dims[1:])]
+        bs = [jnp.zeros((C, b), jnp.float32) for b in dims[1:]]
+        return ComponentwiseMLP(ws, bs, on_inner_acts)
+
+    def __call__(self, x: Float[Array, "*pos d_in"], V: Float[Array, "d_in C"]
+                 ) -> Float[Array, "*pos C"]:
+        if self.on_inner_acts:
+            h = (x @ V.astype(x.dtype))[..., None]  # [*pos, C, 1]
+        else:
+            h = x[..., None, :]  # [*pos, 1, d_in]: every component sees the whole input
+        for i, (w, b) in enumerate(zip(self.weights, self.biases)):
+            h = _per_component_dense(jax.nn.gelu(h) if i else h, w.astype(h.dtype)) + b
+        return h[..., 0].astype(jnp.float32)
+
+
+class SharedMLP(eqx.Module):
+    """One MLP per site, d_in → hidden → C."""
+
+    weights: list[Float[Array, "fan_in fan_out"]]
+    biases: list[Float[Array, " fan_out"]]
+
+    @staticmethod
+    def init(key: PRNGKeyArray, C: int, d_in: int, hidden: list[int]) -> SharedMLP:
+        dims = [d_in, *hidden, C]
+        keys = jax.random.split(key, len(dims) - 1)
+        ws = [_init_layer(k, (a, b), a) for k, a, b in zip(keys, dims[:-1], dims[1:])]
+        return SharedMLP(ws, [jnp.zeros((b,), jnp.float32) for b in dims[1:]])
+
+    def __call__(self, x: Float[Array, "*pos d_in"], V: Array) -> Float[Array, "*pos C"]:
+        del V
+        h = x
+        for i, (w, b) in enumerate(zip(self.weights, self.biases)):
+            h = (jax.nn.gelu(h) if i else h) @ w.astype(h.dtype) + b
+        return h.astype(jnp.float32)
+
+
+class CIFunction(eqx.Module):
+    """Per-site CI networks: site inputs of a batch → logits [*pos, C] for each site."""
+
+    sites: dict[str, ComponentwiseMLP | SharedMLP]
+
+    @staticmethod
+    def init(key: PRNGKeyArray, kind: str, d_in: Mapping[str, int], C: Mapping[str, int],
+             hidden: list[int]) -> CIFunction:
+        keys = jax.random.split(key, len(C))
+        nets: dict[str, ComponentwiseMLP | SharedMLP] = {}
+        for k, s in zip(keys, C, strict=True):
+            if kind == "shared_mlp":
+                nets[s] = SharedMLP.init(k, C[s], d_in[s], list(hidden))
+            else:
+                nets[s] = ComponentwiseMLP.init(k, C[s], d_in[s], list(hidden),
+                                                on_inner_acts=kind == "mlp")
+        return CIFunction(nets)
+
+    def __call__(self, site_inputs: Mapping[str, Array], components: Components
+                 ) -> dict[str, Float[Array, "*pos C"]]:
+        return {s: net(site_inputs[s], components.sites[s].V) for s, net in self.sites.items()}

@@ -1,0 +1,96 @@
+"""Components of each site (V, U), and the per-site linear functions a target calls.
+
+A target never knows it is being decomposed: at every site it calls `linear(site, x, W)`.
+`frozen_linear` is plain inference; `recording_linear` captures site inputs for the CI
+function; `masked_linear` runs the live sites through their masked components.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
+
+LinearFn = Callable[[str, Array, Array], Array]
+
+
+def frozen_linear(site: str, x: Array, W: Array) -> Array:
+    del site
+    return x @ W.astype(x.dtype)
+
+
+def recording_linear(record: dict[str, Array]) -> LinearFn:
+    """A frozen linear that also stores each site's input in `record` (filled while tracing)."""
+
+    def linear(site: str, x: Array, W: Array) -> Array:
+        record[site] = x
+        return frozen_linear(site, x, W)
+
+    return linear
+
+
+class SiteComponents(eqx.Module):
+    """C rank-one components of one site's weight W [d_in, d_out]: component c is V[:, c] ⊗ U[c]."""
+
+    V: Float[Array, "d_in C"]
+    U: Float[Array, "C d_out"]
+
+    @staticmethod
+    def init(key: PRNGKeyArray, d_in: int, d_out: int, C: int) -> SiteComponents:
+        kv, ku = jax.random.split(key)
+        V = jax.random.normal(kv, (d_in, C), jnp.float32) / jnp.sqrt(d_in)
+        U = jax.random.normal(ku, (C, d_out), jnp.float32) / jnp.sqrt(C)
+        return SiteComponents(V, U)
+
+    @property
+    def weight(self) -> Float[Array, "d_in d_out"]:
+        return self.V @ self.U
+
+
+class Components(eqx.Module):
+    """All sites' components, keyed by site name (sites may differ in shape and C)."""
+
+    sites: dict[str, SiteComponents]
+
+    @staticmethod
+    def init(key: PRNGKeyArray, shapes: Mapping[str, tuple[int, int]],
+             C: Mapping[str, int]) -> Components:
+        keys = jax.random.split(key, len(C))
+        return Components({s: SiteComponents.init(k, *shapes[s], C[s])
+                           for k, s in zip(keys, C, strict=True)})
+
+
+class SiteMask(NamedTuple):
+    """How one live site runs in one forward. Shapes lead with the site input's positions."""
+
+    mask: Float[Array, "*pos C"]
+    delta_mask: Float[Array, "*pos"] | None  # None: no delta channel
+    routed: Bool[Array, "*pos"] | None  # None: routed everywhere
+
+
+def masked_linear(components: Components, site_masks: Mapping[str, SiteMask]) -> LinearFn:
+    """The linear fn of a forward whose live sites are the keys of `site_masks`.
+
+    A live site computes `((x @ V) * mask) @ U + (x @ Δ) * delta_mask` with Δ = W − V@U, and
+    the frozen `x @ W` where it is not routed. Every other site stays on the frozen path, so
+    it creates no [*, C] tensors and gives its V/U no gradient.
+    """
+
+    def linear(site: str, x: Array, W: Array) -> Array:
+        if site not in site_masks:
+            return frozen_linear(site, x, W)
+        comp, m = components.sites[site], site_masks[site]
+        dt = x.dtype
+        y = ((x @ comp.V.astype(dt)) * m.mask.astype(dt)) @ comp.U.astype(dt)
+        if m.delta_mask is not None:
+            delta = (W.astype(jnp.float32) - comp.weight).astype(dt)
+            y = y + (x @ delta) * m.delta_mask[..., None].astype(dt)
+        if m.routed is not None:
+            y = jnp.where(m.routed[..., None], y, frozen_linear(site, x, W))
+        return y
+
+    return linear

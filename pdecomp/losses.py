@@ -1,0 +1,58 @@
+"""Loss terms of SPD. Every reduction is over the global batch and in fp32."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from pdecomp.components import Components
+
+
+def faithfulness(weights: Mapping[str, Array], components: Components) -> Float[Array, ""]:
+    """Σ_sites ‖W − V@U‖²_F / Σ_sites numel(W), in fp32 whatever W is stored as."""
+    sq = sum(jnp.sum((weights[s].astype(jnp.float32) - c.weight) ** 2)
+             for s, c in components.sites.items())
+    n = sum(weights[s].size for s in components.sites)
+    return sq / n
+
+
+def p_at(step: Array | int, total_steps: int, p_start: float, p_end: float,
+         start_frac: float, end_frac: float) -> Array:
+    """The imp-min exponent: p_start until start_frac of training, linear to p_end at end_frac."""
+    frac = jnp.asarray(step, jnp.float32) / max(total_steps, 1)
+    width = max(end_frac - start_frac, 1e-12)
+    t = jnp.clip((frac - start_frac) / width, 0.0, 1.0)
+    return p_start + (p_end - p_start) * t
+
+
+def importance_minimality(ci_upper: Mapping[str, Float[Array, "*pos C"]], p: Array | float,
+                          eps: float, beta: float) -> Float[Array, ""]:
+    """Σ_sites Σ_c m_c (1 + β log2(1 + S_c)), S_c = Σ_pos (ci + eps)^p, m_c = S_c / n_pos.
+
+    S_c is a sum over the whole (global) batch before the log: under jit with a sharded batch
+    XLA inserts the cross-device reduction, so the value does not depend on the device count.
+    """
+    total = jnp.zeros((), jnp.float32)
+    for ci in ci_upper.values():
+        ci = ci.astype(jnp.float32)
+        n_pos = ci.size // ci.shape[-1]
+        S = jnp.sum((ci + eps) ** p, axis=tuple(range(ci.ndim - 1)))
+        total = total + jnp.sum(S / n_pos * (1.0 + beta * jnp.log2(1.0 + S)))
+    return total
+
+
+def mse(out: Array, target: Array) -> Float[Array, ""]:
+    return jnp.mean((out.astype(jnp.float32) - target.astype(jnp.float32)) ** 2)
+
+
+def kl(logits: Float[Array, "*pos V"], target_logits: Float[Array, "*pos V"]) -> Float[Array, ""]:
+    """KL(softmax(target) ‖ softmax(logits)) summed over the vocab, mean over positions."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    lq = jax.nn.log_softmax(target_logits.astype(jnp.float32), axis=-1)
+    return jnp.mean(jnp.sum(jnp.exp(lq) * (lq - lp), axis=-1))
+
+
+DISTANCES = {"mse": mse, "kl": kl}

@@ -1,0 +1,85 @@
+"""Mask sources, routing samplers and recon plans.
+
+A recon plan is a static tuple of forwards; each forward names its live sites. A source
+gives each channel a value in [0, 1]; the mask interpolates between CI and 1 with it, and
+the delta channel's mask is the raw source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
+
+from pdecomp.components import SiteMask
+
+Plan = tuple[tuple[str, ...], ...]
+
+
+def make_plan(kind: str, sites: Sequence[str], sites_per_chunk: int = 0) -> Plan:
+    """`all`: one forward with every site; `layerwise`: one per site; `chunkwise`: sequential
+    chunks of `sites_per_chunk` sites (the last chunk may be shorter)."""
+    sites = tuple(sites)
+    if kind == "all":
+        return (sites,)
+    if kind == "layerwise":
+        return tuple((s,) for s in sites)
+    if kind == "chunkwise":
+        k = sites_per_chunk
+        return tuple(sites[i:i + k] for i in range(0, len(sites), k))
+    raise ValueError(f"unknown plan {kind!r}")
+
+
+def sample_source(key: PRNGKeyArray, kind: str, shape: tuple[int, ...]
+                  ) -> Float[Array, "*pos C1"]:
+    """Source values per channel (the last channel is the delta channel)."""
+    if kind == "continuous":
+        return jax.random.uniform(key, shape, jnp.float32)
+    if kind == "binomial":
+        return jax.random.bernoulli(key, 0.5, shape).astype(jnp.float32)
+    if kind == "ci":  # deterministic: mask = ci_lower, delta channel off
+        return jnp.zeros(shape, jnp.float32)
+    raise ValueError(f"unknown source {kind!r}")
+
+
+def sample_routing(key: PRNGKeyArray, kind: str, live: Sequence[str], pos: tuple[int, ...]
+                   ) -> dict[str, Bool[Array, "*pos"] | None]:
+    """`all`: route every live site everywhere. `uniform_k`: per position draw k ~ U{1..n},
+    route a uniform k-subset of the n live sites."""
+    if kind == "all" or len(live) == 1 and kind == "uniform_k":
+        return {s: None for s in live}
+    if kind != "uniform_k":
+        raise ValueError(f"unknown routing {kind!r}")
+    n = len(live)
+    k_key, perm_key = jax.random.split(key)
+    k = jax.random.randint(k_key, pos, 1, n + 1)
+    # A random rank per site (argsort of uniforms) picks a uniform subset of size k.
+    ranks = jnp.argsort(jnp.argsort(jax.random.uniform(perm_key, (*pos, n)), axis=-1), axis=-1)
+    routed = ranks < k[..., None]
+    return {s: routed[..., i] for i, s in enumerate(live)}
+
+
+def masks_from_sources(ci_lower: Mapping[str, Float[Array, "*pos C"]],
+                       sources: Mapping[str, Float[Array, "*pos C1"]],
+                       routed: Mapping[str, Bool[Array, "*pos"] | None],
+                       delta: bool) -> dict[str, SiteMask]:
+    """mask = ci + (1 − ci)·source on the C channels; the delta mask is the raw source."""
+    out = {}
+    for s, src in sources.items():
+        ci = ci_lower[s]
+        C = ci.shape[-1]
+        mask = ci + (1.0 - ci) * src[..., :C]
+        out[s] = SiteMask(mask, src[..., C] if delta else None, routed[s])
+    return out
+
+
+def sample_forward_masks(key: PRNGKeyArray, live: Sequence[str], source: str, routing: str,
+                         ci_lower: Mapping[str, Array], delta: bool) -> dict[str, SiteMask]:
+    """Fresh sources and routing for one forward of a plan."""
+    r_key, *s_keys = jax.random.split(key, len(live) + 1)
+    sources = {s: sample_source(k, source, (*ci_lower[s].shape[:-1], ci_lower[s].shape[-1] + 1))
+               for k, s in zip(s_keys, live)}
+    pos = ci_lower[live[0]].shape[:-1]
+    return masks_from_sources(ci_lower, sources, sample_routing(r_key, routing, live, pos), delta)

@@ -1,0 +1,51 @@
+"""Plots saved in the run directory: mean CI per component, and TMS directions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def plot_mean_ci(ci: dict[str, dict], path: Path, threshold: float) -> Path:
+    """One bar chart per site: mean CI per component, sorted, live ones highlighted."""
+    sites = list(ci)
+    fig, axes = plt.subplots(len(sites), 1, figsize=(8, 2.2 * len(sites)), squeeze=False)
+    for ax, s in zip(axes[:, 0], sites):
+        mean, mx = ci[s]["mean_ci"], ci[s]["max_ci"]
+        order = np.argsort(-mean)
+        colors = ["tab:blue" if mx[i] > threshold else "lightgray" for i in order]
+        ax.bar(np.arange(len(order)), mean[order], color=colors)
+        ax.set_title(f"{s}: {ci[s]['live']} live of {len(mean)} (max CI > {threshold})",
+                     fontsize=9)
+        ax.set_ylabel("mean CI")
+    axes[-1, 0].set_xlabel("component (sorted by mean CI)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_tms_directions(W: np.ndarray, comp_rows: np.ndarray, live: np.ndarray, path: Path
+                        ) -> Path:
+    """TMS linear1: the target's feature rows W[f] (left) beside each live component's
+    direction U[c] scaled by its largest |V[f, c]| (right). Only for 2-d hidden spaces."""
+    fig, (a, b) = plt.subplots(1, 2, figsize=(8, 4))
+    lim = 1.2 * max(np.abs(W).max(), np.abs(comp_rows).max(initial=1e-6))
+    for ax, vecs, title in ((a, W, "target features W[f]"),
+                            (b, comp_rows[live], "live components")):
+        for i, v in enumerate(vecs):
+            ax.arrow(0, 0, v[0], v[1], head_width=0.04 * lim, length_includes_head=True,
+                     color=plt.cm.tab10(i % 10))
+        ax.set_xlim(-lim, lim)
+        ax.set_ylim(-lim, lim)
+        ax.set_aspect("equal")
+        ax.set_title(f"{title} ({len(vecs)})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,227 @@
+"""Toy targets (TMS and the residual MLP), their data, training, checks and on-disk cache.
+
+A target is an Equinox module whose `__call__(x, linear)` routes every site's matmul through
+the caller's `linear(site, x, W)`, and whose `site_weights()` gives each site's W [d_in, d_out].
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from pdecomp.components import LinearFn, frozen_linear
+from pdecomp.config import ModelConfig, site_names_of
+
+CACHE_VERSION = "1"  # bump when target code changes what a cached target means
+
+
+class TargetError(RuntimeError):
+    """A trained target failed its checks (it cannot serve as ground truth)."""
+
+
+class TMS(eqx.Module):
+    """Toy model of superposition: h = x @ W, out = ReLU(h @ Wᵀ + b), tied weights.
+
+    The +ID variants put fixed identity layers between linear1 and linear2.
+    """
+
+    W: Float[Array, "n m"]
+    b: Float[Array, " n"]
+    hidden: list[Float[Array, "m m"]]
+
+    def __call__(self, x: Float[Array, "*pos n"], linear: LinearFn = frozen_linear) -> Array:
+        h = linear("linear1", x, self.W)
+        for name, H in zip(self._hidden_names(), self.hidden):
+            h = linear(name, h, H)
+        return jax.nn.relu(linear("linear2", h, self.W.T) + self.b)
+
+    def _hidden_names(self) -> list[str]:
+        n = len(self.hidden)
+        return ["hidden"] if n == 1 else [f"hidden.{i}" for i in range(n)]
+
+    def site_weights(self) -> dict[str, Array]:
+        return {"linear1": self.W, **dict(zip(self._hidden_names(), self.hidden)),
+                "linear2": self.W.T}
+
+
+class ResidMLP(eqx.Module):
+    """Residual MLP: features embedded by a fixed W_E, ReLU MLP layers, read out by W_Eᵀ."""
+
+    W_E: Float[Array, "n d"]
+    W_in: list[Float[Array, "d h"]]
+    b_in: list[Float[Array, " h"]]
+    W_out: list[Float[Array, "h d"]]
+    b_out: list[Float[Array, " d"]]
+
+    def __call__(self, x: Float[Array, "*pos n"], linear: LinearFn = frozen_linear) -> Array:
+        resid = x @ self.W_E
+        for i in range(len(self.W_in)):
+            h = jax.nn.relu(linear(f"layers.{i}.mlp_in", resid, self.W_in[i]) + self.b_in[i])
+            resid = resid + linear(f"layers.{i}.mlp_out", h, self.W_out[i]) + self.b_out[i]
+        return resid @ self.W_E.T
+
+    def site_weights(self) -> dict[str, Array]:
+        out = {}
+        for i in range(len(self.W_in)):
+            out[f"layers.{i}.mlp_in"] = self.W_in[i]
+            out[f"layers.{i}.mlp_out"] = self.W_out[i]
+        return out
+
+
+Target = TMS | ResidMLP
+
+
+def sample_inputs(key: PRNGKeyArray, cfg: ModelConfig, batch_size: int
+                  ) -> Float[Array, "batch n"]:
+    """Sparse features: each active with probability p; value U[0,1] (TMS) or U[-1,1] (resid)."""
+    k_on, k_val = jax.random.split(key)
+    on = jax.random.bernoulli(k_on, cfg.feature_prob, (batch_size, cfg.n_features))
+    lo = 0.0 if cfg.kind == "tms" else -1.0
+    val = jax.random.uniform(k_val, (batch_size, cfg.n_features), jnp.float32, lo, 1.0)
+    return jnp.where(on, val, 0.0)
+
+
+def labels(cfg: ModelConfig, x: Array) -> Array:
+    """What the target is trained to output: x itself (TMS) or x + ReLU(x) (residual MLP)."""
+    return x if cfg.kind == "tms" else x + jax.nn.relu(x)
+
+
+def init_target(key: PRNGKeyArray, cfg: ModelConfig) -> Target:
+    if cfg.kind == "tms":
+        n, m = cfg.n_features, cfg.d_hidden
+        W = jax.random.normal(key, (n, m), jnp.float32) * jnp.sqrt(2.0 / (n + m))
+        hidden = [jnp.eye(m, dtype=jnp.float32) for _ in range(cfg.n_hidden_layers)]
+        return TMS(W, jnp.zeros((n,), jnp.float32), hidden)
+    n, d, h, L = cfg.n_features, cfg.d_embed, cfg.d_hidden, cfg.n_layers
+    k_e, *ks = jax.random.split(key, 1 + 2 * L)
+    W_E = jax.random.normal(k_e, (n, d), jnp.float32)
+    W_E = W_E / jnp.linalg.norm(W_E, axis=-1, keepdims=True)
+    W_in = [jax.random.normal(ks[2 * i], (d, h)) * jnp.sqrt(1.0 / d) for i in range(L)]
+    W_out = [jax.random.normal(ks[2 * i + 1], (h, d)) * jnp.sqrt(1.0 / h) for i in range(L)]
+    return ResidMLP(W_E, W_in, [jnp.zeros((h,)) for _ in range(L)], W_out,
+                    [jnp.zeros((d,)) for _ in range(L)])
+
+
+def _trainable(target: Target) -> Target:
+    """Filter spec: TMS hidden identities and the residual MLP's embedding stay fixed."""
+    spec = jax.tree.map(lambda _: True, target)
+    if isinstance(target, TMS):
+        return eqx.tree_at(lambda t: t.hidden, spec, [False] * len(target.hidden))
+    return eqx.tree_at(lambda t: t.W_E, spec, False)
+
+
+def train_target(cfg: ModelConfig, seed: int,
+                 on_progress: Callable[[int, float], None] | None = None) -> Target:
+    """Train the toy target from its seed with Adam on MSE against `labels`."""
+    key = jax.random.PRNGKey(seed)
+    init_key, data_key = jax.random.split(key)
+    target = init_target(init_key, cfg)
+    params, static = eqx.partition(target, _trainable(target))
+    opt = optax.adam(cfg.train_lr)
+    opt_state = opt.init(params)
+
+    def step(carry, key):
+        params, opt_state = carry
+        x = sample_inputs(key, cfg, cfg.train_batch_size)
+
+        def loss_fn(p):
+            return jnp.mean((eqx.combine(p, static)(x) - labels(cfg, x)) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    @jax.jit
+    def run_chunk(params, opt_state, keys):
+        (params, opt_state), losses = jax.lax.scan(step, (params, opt_state), keys)
+        return params, opt_state, losses[-1]
+
+    chunk = 500
+    keys = jax.random.split(data_key, cfg.train_steps)
+    for start in range(0, cfg.train_steps, chunk):
+        params, opt_state, loss = run_chunk(params, opt_state, keys[start:start + chunk])
+        if on_progress is not None:
+            on_progress(min(start + chunk, cfg.train_steps), float(loss))
+    return eqx.combine(params, static)
+
+
+def feature_report(target: Target, cfg: ModelConfig) -> dict[str, object]:
+    """Does the target represent every feature? The decomposition's ground truth needs it.
+
+    TMS: a feature is represented when its embedding row has norm ≥ 0.5 (dropped features
+    collapse to ~0). Residual MLP: when the MLP adds ≥ 0.5 (of the ideal 1.0) to output i
+    for the one-hot input e_i.
+    """
+    if isinstance(target, TMS):
+        score = np.asarray(jnp.linalg.norm(target.W, axis=-1))
+    else:
+        eye = jnp.eye(cfg.n_features, dtype=jnp.float32)
+        score = np.asarray(jnp.diagonal(target(eye)) - 1.0)
+    missing = [int(i) for i in np.flatnonzero(score < 0.5)]
+    return {"n_features": cfg.n_features, "missing": missing,
+            "min_score": float(score.min()), "ok": not missing}
+
+
+def cache_key(cfg: ModelConfig) -> str:
+    fields = {k: v for k, v in asdict(cfg).items() if k not in ("name", "cache_dir", "max_retrain")}
+    blob = json.dumps({"v": CACHE_VERSION, **fields}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def cache_dir(cfg: ModelConfig) -> Path:
+    root = cfg.cache_dir or os.environ.get("PDECOMP_CACHE") or Path.home() / ".cache" / "pdecomp"
+    return Path(root) / "targets"
+
+
+def load_or_train_target(cfg: ModelConfig, log: Callable[[str], None] = print,
+                         on_progress: Callable[[int, float], None] | None = None
+                         ) -> tuple[Target, dict[str, object]]:
+    """The trained target for these settings: from the cache, or trained now and cached.
+
+    A target that misses a feature is retrained with the next seed, up to `max_retrain`
+    times; if none represents every feature this raises TargetError.
+    """
+    path = cache_dir(cfg) / f"{cfg.name}-{cache_key(cfg)}"
+    skeleton = init_target(jax.random.PRNGKey(0), cfg)
+    if (path / "meta.json").exists() and (path / "target.eqx").exists():
+        meta = json.loads((path / "meta.json").read_text())
+        try:
+            return eqx.tree_deserialise_leaves(path / "target.eqx", skeleton), meta
+        except Exception as e:  # a corrupt cache entry is retrained, not trusted
+            log(f"target cache at {path} unreadable ({e}); retraining")
+    tried = []
+    for attempt in range(cfg.max_retrain + 1):
+        seed = cfg.seed + 1000 * attempt
+        log(f"training target {cfg.name} (seed {seed}, {cfg.train_steps} steps)")
+        target = train_target(cfg, seed, on_progress)
+        report = feature_report(target, cfg)
+        tried.append({"seed": seed, **report})
+        if report["ok"]:
+            break
+        log(f"target {cfg.name} seed {seed} misses features {report['missing']}; retraining")
+    else:
+        raise TargetError(f"target {cfg.name}: no seed of {[t['seed'] for t in tried]} "
+                          f"represents all {cfg.n_features} features: {tried}")
+    meta = {"name": cfg.name, "seed": seed, "attempts": tried, "features": report,
+            "sites": list(site_names_of(cfg))}
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    eqx.tree_serialise_leaves(tmp / "target.eqx", target)
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    try:
+        tmp.rename(path)  # atomic: a concurrent or killed writer never leaves half a target
+    except OSError:
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target, meta
