@@ -8,7 +8,9 @@ Every error names the dotted key, the value and what is allowed.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 # Values allowed for the string-valued choices; `validate` quotes them in its errors.
@@ -295,3 +297,32 @@ def site_C(cfg: RunConfig) -> dict[str, int]:
     chosen = set(cfg.layers.sites)
     return {s: cfg.layers.C_per_site.get(s, cfg.layers.C)
             for s in site_names_of(cfg.model) if s in chosen}
+
+
+def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
+    """Build the frozen dataclass `cls` from plain nested dicts (e.g. a resolved Hydra config).
+
+    Unknown keys raise ConfigError naming the dotted key.
+    """
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(dotted, value, f"unknown key; known: {', '.join(sorted(names))}")
+        kwargs[key] = _convert(hints[key], value, dotted)
+    return cls(**kwargs)
+
+
+def _convert(tp: Any, value: Any, dotted: str) -> Any:
+    origin = typing.get_origin(tp)
+    if is_dataclass(tp) and isinstance(value, Mapping):
+        return from_dict(tp, value, dotted + ".")
+    if origin is dict and isinstance(value, Mapping):
+        _, vt = typing.get_args(tp)
+        return {k: _convert(vt, v, f"{dotted}.{k}") for k, v in value.items()}
+    if origin is list and isinstance(value, (list, tuple)):
+        (vt,) = typing.get_args(tp)
+        return [_convert(vt, v, dotted) for v in value]
+    return value

@@ -69,7 +69,8 @@ class StepSpec:
         sites = tuple(site_C(cfg))
         lo = cfg.loss
         recon = tuple(ReconTerm(n, t.coeff, make_plan(t.plan, sites, t.sites_per_chunk),
-                                t.source, t.routing) for n, t in lo.recon.items())
+                                t.source, t.routing) for n, t in lo.recon.items()
+                      if t.coeff > 0)  # a zero coefficient switches a term off
         return StepSpec(sites, cfg.layers.delta, recon, lo.distance, lo.faithfulness_coeff,
                         lo.imp_min_coeff, (lo.p_start, lo.p_end, lo.p_anneal_start_frac,
                                            lo.p_anneal_end_frac), lo.beta, lo.eps,

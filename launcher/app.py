@@ -1,0 +1,116 @@
+"""`pdecomp`: the Hydra app. Compose, validate, dispatch; the job itself is in launcher.job.
+
+Every override (and every value of a `-m` sweep) is composed and validated before Hydra
+starts, so a bad value ends with one line and exit code 2, leaving no run directory behind.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+import hydra
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import DictConfig
+
+from launcher.registry import register, to_run_config
+from pdecomp.config import ConfigError, validate
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+EXIT_BAD_CONFIG = 2
+MAX_CHECKED_COMBOS = 512
+
+# Hydra flags that take a value, and flags after which nothing is composed or run.
+_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp",
+                     "--config-name", "-cn", "--config-dir", "-cd", "--info", "-i",
+                     "--experimental-rerun"}
+_INFO_FLAGS = {"--help", "-h", "--hydra-help", "--info", "-i", "--version",
+               "--shell-completion", "-sc"}
+
+register()
+
+
+def _overrides(argv: list[str]) -> list[str] | None:
+    """The overrides in argv, or None when argv asks for help/info only."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in _INFO_FLAGS:
+            return None
+        if a in _FLAGS_WITH_VALUE:
+            skip = True
+            continue
+        if a.startswith("-"):
+            continue
+        out.append(a)
+    return out
+
+
+def _one_line(e: Exception) -> str:
+    """Hydra/OmegaConf errors span several lines; keep the informative ones, on one line."""
+    parts: list[str] = []
+    full_key = None
+    for exc in (e, e.__cause__):
+        if exc is None:
+            continue
+        for line in str(exc).splitlines():
+            line = line.strip()
+            if line.startswith("full_key:"):
+                full_key = line.split(":", 1)[1].strip()
+            elif line and not line.startswith(("object_type", "reference_type", "To append",
+                                                "msg:")) and line not in parts:
+                parts.append(line.rstrip("."))
+    head = f"config error: {full_key}: " if full_key else "config error: "
+    return head + "; ".join(parts)
+
+
+def check_overrides(overrides: list[str]) -> int:
+    """Compose and validate every combination of sweep values; return how many were checked."""
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    choices: list[list[str]] = []
+    for o in parsed:
+        key = o.get_key_element()
+        if key.lstrip("+~").startswith("hydra"):
+            continue  # Hydra's own settings: Hydra checks them
+        if o.is_sweep_override():
+            choices.append([f"{key}={v}" for v in o.sweep_string_iterator()])
+        else:
+            choices.append([o.input_line])
+    n = 0
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        for combo in itertools.islice(itertools.product(*choices), MAX_CHECKED_COMBOS):
+            validate(to_run_config(compose(config_name="config", overrides=list(combo))))
+            n += 1
+    GlobalHydra.instance().clear()
+    return n
+
+
+@hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> dict:
+    from launcher.job import run_job  # heavy imports (jax, wandb) only once a job runs
+
+    return run_job(cfg)
+
+
+def main() -> None:
+    overrides = _overrides(sys.argv[1:])
+    if overrides is not None:
+        try:
+            check_overrides(overrides)
+        except ConfigError as e:
+            print(e, file=sys.stderr)
+            sys.exit(EXIT_BAD_CONFIG)
+        except Exception as e:  # Hydra's and OmegaConf's compose-time errors
+            print(_one_line(e), file=sys.stderr)
+            sys.exit(EXIT_BAD_CONFIG)
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

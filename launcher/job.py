@@ -1,0 +1,140 @@
+"""One job: run directory, wandb, progress and reports around `pdecomp.run.decompose`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+import sys
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from launcher.registry import to_run_config
+from pdecomp.config import RunConfig
+
+console = Console(stderr=True)
+
+
+def _rank() -> int:
+    for var in ("SLURM_PROCID", "RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def gate_table(report: dict[str, Any], title: str = "memory gate (per device)") -> Table:
+    from pdecomp.gate import format_report
+
+    table = Table(title=title, show_header=False)
+    for label, value in format_report(report):
+        table.add_row(label, value)
+    return table
+
+
+class WandbLogger:
+    """Offline by default; every file stays inside the run directory; resumes its own run."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, config: dict[str, Any]):
+        import wandb
+
+        os.environ.setdefault("WANDB_MODE", "offline")
+        for var in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+            os.environ.setdefault(var, str(run_dir))
+        os.environ.setdefault("WANDB_SILENT", "true")
+        id_file = run_dir / "wandb_id.txt"
+        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
+        id_file.write_text(run_id)
+        self.run = wandb.init(project=cfg.logging.wandb_project, name=cfg.name, id=run_id,
+                              resume="allow", dir=str(run_dir), config=config,
+                              settings=wandb.Settings(console="off", x_disable_stats=True))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log(metrics, step=step)
+
+    def summary(self, key: str, value: Any) -> None:
+        self.run.summary[key] = value
+
+    def finish(self, exit_code: int = 0) -> None:
+        self.run.finish(exit_code=exit_code)
+
+
+def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
+    from pdecomp.run import GateRefused, Hooks, decompose
+
+    # orbax logs every checkpoint step at INFO through absl; keep the console for results.
+    logging.getLogger("absl").setLevel(logging.WARNING)
+
+    cfg = to_run_config(dict_cfg)
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    multirun = hc.mode == RunMode.MULTIRUN
+    rank0 = _rank() == 0
+    resolved = OmegaConf.to_container(dict_cfg, resolve=True)
+    if rank0:
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(dict_cfg, resolve=True))
+
+    wb = WandbLogger(cfg, run_dir, resolved) if (cfg.logging.wandb and rank0) else None
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                        TextColumn("{task.completed}/{task.total}"), TextColumn("{task.fields[info]}"),
+                        TimeElapsedColumn(), TimeRemainingColumn(), console=console,
+                        disable=not (cfg.logging.progress and rank0))
+    task = progress.add_task(cfg.name, total=cfg.optim.steps, info="")
+
+    def on_gate(report: dict[str, Any]) -> None:
+        if rank0:
+            console.print(gate_table(report))
+        if wb:
+            wb.summary("gate", report)
+            wb.log(0, {"hbm/predicted_peak_gib": report["peak_bytes"] / 2**30})
+
+    def on_progress(done: int, total: int, last: dict[str, float]) -> None:
+        info = f"loss {last['loss/total']:.3g}" if "loss/total" in last else ""
+        progress.update(task, completed=done, info=info)
+
+    hooks = Hooks(log=lambda s: console.print(f"[dim]{s}[/dim]") if rank0 else None,
+                  on_metrics=(wb.log if wb else None), on_gate=on_gate, progress=on_progress)
+    try:
+        with progress:
+            summary = decompose(cfg, run_dir, hooks)
+    except GateRefused as e:
+        console.print(f"[red]{e}[/red]  (report: {run_dir / 'gate.json'})")
+        if wb:
+            wb.finish(exit_code=3)
+        if multirun:
+            return {"refused": True, "gate": e.report}
+        sys.exit(3)
+    if wb:
+        for k, v in summary.items():
+            wb.summary(k, v)
+        wb.finish()
+    if rank0 and "gate" not in summary:
+        print_findings(cfg, summary, run_dir)
+    return summary
+
+
+def print_findings(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> None:
+    """What the decomposition found, in a form a person reads at a glance."""
+    table = Table(title=f"{cfg.name}: what SPD found")
+    for col in ("site", "C", "live", "L0", "MMCS", "ML2R", "one-to-one"):
+        table.add_column(col)
+    from pdecomp.config import site_C
+
+    for site, C in site_C(cfg).items():
+        def fmt(key: str, spec: str = ".3f") -> str:
+            v = summary.get(f"{key}/{site}")
+            return "-" if v is None else format(v, spec)
+
+        table.add_row(site, str(C), fmt("live", "d"), fmt("l0"), fmt("mmcs"), fmt("ml2r"),
+                      fmt("one_to_one", "d"))
+    console.print(table)
+    for key in ("plots/tms_directions", "plots/mean_ci"):
+        if key in summary:
+            console.print(f"plot: {summary[key]}")
+    console.print(f"run dir: {run_dir}")

@@ -1,0 +1,70 @@
+"""The config registry: pdecomp's frozen schema, registered in Hydra's ConfigStore.
+
+OmegaConf treats a frozen dataclass as read-only and refuses to merge YAML into it, so the
+registry stores a mutable twin of each schema class (same fields, types and defaults); the
+composed config is turned back into the frozen `RunConfig` by `to_run_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from functools import cache
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from pdecomp.config import RunConfig, from_dict
+
+
+@cache
+def mutable_twin(cls: type) -> type:
+    hints = typing.get_type_hints(cls)
+    specs = []
+    for f in dataclasses.fields(cls):
+        tp = _twin_type(hints[f.name])
+        if f.default is not dataclasses.MISSING:
+            specs.append((f.name, tp, dataclasses.field(default=f.default)))
+        else:
+            factory = f.default_factory
+            specs.append((f.name, tp, dataclasses.field(
+                default_factory=lambda factory=factory: _twin_value(factory()))))
+    return dataclasses.make_dataclass(cls.__name__, specs)
+
+
+def _twin_type(tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return mutable_twin(tp)
+    if origin is dict:
+        k, v = typing.get_args(tp)
+        return dict[k, _twin_type(v)]
+    if origin is list:
+        (v,) = typing.get_args(tp)
+        return list[_twin_type(v)]
+    return tp
+
+
+def _twin_value(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        twin = mutable_twin(type(value))
+        return twin(**{f.name: _twin_value(getattr(value, f.name))
+                       for f in dataclasses.fields(value)})
+    if isinstance(value, dict):
+        return {k: _twin_value(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_twin_value(v) for v in value]
+    return value
+
+
+def register() -> None:
+    """Store the run schema as `run_schema`; config.yaml lists it first in its defaults."""
+    ConfigStore.instance().store(name="run_schema", node=mutable_twin(RunConfig))
+
+
+def to_run_config(cfg: DictConfig) -> RunConfig:
+    data = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(data, dict)
+    data.pop("hydra", None)
+    return from_dict(RunConfig, data)
