@@ -1,0 +1,64 @@
+"""Data parallelism must not change the numbers: 1 vs 8 simulated CPU devices."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+
+SCRIPT = textwrap.dedent("""
+    import json, sys, dataclasses as dc
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from pdecomp import losses, targets
+    from pdecomp.config import RunConfig, ModelConfig
+    from pdecomp.ci import ci_upper
+    from pdecomp.train import init_state, make_train_step
+
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    rep, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    out = {"n_devices": len(jax.devices())}
+
+    # imp-min on a batch-sharded CI tensor, with beta > 0 so the global sum matters.
+    logits = jax.random.normal(jax.random.PRNGKey(0), (64, 16, 20)) + 0.3
+    ci = jax.device_put(ci_upper(logits), shard)
+    f = jax.jit(lambda c: losses.importance_minimality({"s": c}, 0.9, 1e-6, 0.2))
+    out["imp_min"] = float(f(ci))
+
+    # Five whole train steps of TMS 5-2 (an untrained target is enough to compare numbers).
+    cfg = RunConfig()
+    cfg = dc.replace(cfg, data=dc.replace(cfg.data, batch_size=512))
+    target = jax.device_put(targets.init_target(jax.random.PRNGKey(1), cfg.model), rep)
+    state = jax.device_put(init_state(jax.random.PRNGKey(2), cfg, target), rep)
+    step = jax.jit(make_train_step(cfg))
+    hist = []
+    for i in range(5):
+        x = jax.device_put(targets.sample_inputs(jax.random.PRNGKey(10 + i), cfg.model, 512), shard)
+        state, m = step(state, target, x)
+        jax.block_until_ready(m)
+        hist.append({k: float(v) for k, v in m.items()})
+    out["history"] = hist
+    print(json.dumps(out))
+""")
+
+
+def _run(n: int) -> dict:
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}",
+           "JAX_PLATFORMS": "cpu"}
+    res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_imp_min_and_train_steps_match_on_1_and_8_devices():
+    one, eight = _run(1), _run(8)
+    assert one["n_devices"] == 1 and eight["n_devices"] == 8
+    np.testing.assert_allclose(eight["imp_min"], one["imp_min"], rtol=1e-5)
+    for a, b in zip(one["history"], eight["history"]):
+        for k in a:
+            np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-9, err_msg=k)

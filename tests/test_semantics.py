@@ -1,0 +1,167 @@
+"""Invariants of docs/SPD_SEMANTICS.md that a bug could break."""
+
+from __future__ import annotations
+
+import dataclasses as dc
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pdecomp import losses
+from pdecomp.ci import ALPHA, ci_lower, ci_upper
+from pdecomp.components import Components, SiteMask, frozen_linear, masked_linear
+from pdecomp.config import ModelConfig, RunConfig
+from pdecomp.masks import make_plan, masks_from_sources, sample_routing, sample_source
+from pdecomp.targets import TMS, init_target
+
+X = jnp.array([-2.0, -0.5, 0.0, 0.3, 1.0, 1.5, 3.0])
+
+
+def test_ci_lower_forward_is_clamp():
+    np.testing.assert_allclose(ci_lower(X), jnp.clip(X, 0, 1))
+
+
+@pytest.mark.parametrize("g", [1.0, -1.0])
+def test_ci_lower_backward_leaks_only_upward_below_zero(g):
+    _, vjp = jax.vjp(ci_lower, X)
+    (grad,) = vjp(jnp.full_like(X, g))
+    inside = (X > 0) & (X <= 1)
+    below = X <= 0
+    expected = np.where(inside, g, np.where(below & (g < 0), ALPHA * g, 0.0))
+    np.testing.assert_allclose(grad, expected)
+    assert grad[-1] == 0.0 and grad[-2] == 0.0  # nothing above 1
+
+
+def test_ci_upper_forward_and_plain_gradient():
+    expected = np.where(X > 1, 1 + ALPHA * (X - 1), np.clip(X, 0, 1))
+    np.testing.assert_allclose(ci_upper(X), expected, rtol=1e-6)
+    off_kinks = jnp.array([-2.0, -0.5, 0.3, 0.9, 1.5, 3.0])
+    grad = jax.grad(lambda x: jnp.sum(ci_upper(x)))(off_kinks)
+    np.testing.assert_allclose(grad, [0.0, 0.0, 1.0, 1.0, ALPHA, ALPHA], rtol=1e-6)
+
+
+def test_mask_interpolates_and_delta_mask_is_raw_source():
+    ci = {"a": jnp.array([[0.0, 0.5, 1.0]])}
+    src = {"a": jnp.array([[0.2, 0.4, 0.6, 0.7]])}
+    m = masks_from_sources(ci, src, {"a": None}, delta=True)["a"]
+    np.testing.assert_allclose(m.mask, [[0.2, 0.5 + 0.5 * 0.4, 1.0]], rtol=1e-6)
+    np.testing.assert_allclose(m.delta_mask, [0.7])  # never interpolated with CI
+    assert masks_from_sources(ci, src, {"a": None}, delta=False)["a"].delta_mask is None
+
+
+def test_sources_are_in_range_and_binomial_is_binary():
+    key = jax.random.PRNGKey(0)
+    c = sample_source(key, "continuous", (1000, 5))
+    assert float(c.min()) >= 0.0 and float(c.max()) <= 1.0 and 0.45 < float(c.mean()) < 0.55
+    b = sample_source(key, "binomial", (1000, 5))
+    assert set(np.unique(np.asarray(b))) <= {0.0, 1.0} and 0.45 < float(b.mean()) < 0.55
+
+
+def _tms(n=5, m=2, hidden=0):
+    return init_target(jax.random.PRNGKey(0), ModelConfig(n_features=n, d_hidden=m,
+                                                          n_hidden_layers=hidden))
+
+
+def test_all_ones_mask_with_full_delta_reproduces_target():
+    """mask = 1 on every channel and delta mask 1 gives V@U + (W − V@U) = W exactly."""
+    target = _tms()
+    comps = Components.init(jax.random.PRNGKey(1), {"linear1": (5, 2), "linear2": (2, 5)},
+                            {"linear1": 7, "linear2": 7})
+    x = jax.random.uniform(jax.random.PRNGKey(2), (16, 5))
+    masks = {s: SiteMask(jnp.ones((16, 7)), jnp.ones((16,)), None) for s in comps.sites}
+    np.testing.assert_allclose(target(x, masked_linear(comps, masks)), target(x), atol=1e-5)
+
+
+def test_site_not_live_gets_zero_component_gradient():
+    target = _tms()
+    comps = Components.init(jax.random.PRNGKey(1), {"linear1": (5, 2), "linear2": (2, 5)},
+                            {"linear1": 4, "linear2": 4})
+    x = jax.random.uniform(jax.random.PRNGKey(2), (16, 5))
+
+    def loss(c):
+        masks = {"linear1": SiteMask(jnp.full((16, 4), 0.5), jnp.full((16,), 0.5), None)}
+        return jnp.sum(target(x, masked_linear(c, masks)) ** 2)
+
+    g = jax.grad(loss)(comps)
+    assert float(jnp.abs(g.sites["linear2"].V).max()) == 0.0
+    assert float(jnp.abs(g.sites["linear2"].U).max()) == 0.0
+    assert float(jnp.abs(g.sites["linear1"].V).max()) > 0.0
+
+
+def test_unrouted_positions_take_the_frozen_path():
+    comps = Components.init(jax.random.PRNGKey(1), {"s": (3, 4)}, {"s": 2})
+    W = jax.random.normal(jax.random.PRNGKey(3), (3, 4))
+    x = jax.random.normal(jax.random.PRNGKey(4), (6, 3))
+    routed = jnp.array([True, False, True, False, False, True])
+    m = SiteMask(jnp.zeros((6, 2)), jnp.zeros((6,)), routed)
+    y = masked_linear(comps, {"s": m})("s", x, W)
+    np.testing.assert_allclose(y[~np.asarray(routed)], frozen_linear("s", x, W)[~routed],
+                               rtol=1e-6)
+    np.testing.assert_allclose(y[np.asarray(routed)], 0.0, atol=1e-6)  # zero mask, no delta
+
+
+def test_uniform_k_routes_between_one_and_all_live_sites():
+    live = [f"s{i}" for i in range(4)]
+    r = sample_routing(jax.random.PRNGKey(0), "uniform_k", live, (4000,))
+    counts = np.stack([np.asarray(r[s]) for s in live], -1).sum(-1)
+    assert counts.min() == 1 and counts.max() == 4
+    # k ~ U{1..4}: each count about a quarter of positions
+    np.testing.assert_allclose(np.bincount(counts)[1:] / 4000, 0.25, atol=0.03)
+    assert all(v is None for v in sample_routing(jax.random.PRNGKey(0), "all", live, (5,))
+               .values())
+
+
+def test_faithfulness_is_fp32_even_for_bf16_weights():
+    comps = Components.init(jax.random.PRNGKey(1), {"s": (8, 8)}, {"s": 3})
+    W = jax.random.normal(jax.random.PRNGKey(2), (8, 8)).astype(jnp.bfloat16)
+    f = losses.faithfulness({"s": W}, comps)
+    assert f.dtype == jnp.float32
+    ref = np.mean((np.asarray(W, np.float32) - np.asarray(comps.sites["s"].weight)) ** 2)
+    np.testing.assert_allclose(f, ref, rtol=1e-6)
+
+
+def test_faithfulness_is_normalised_by_total_numel():
+    comps = Components.init(jax.random.PRNGKey(0), {"a": (2, 2), "b": (4, 4)}, {"a": 1, "b": 1})
+    zero = jax.tree.map(jnp.zeros_like, comps)  # V@U = 0, so ‖W‖² counts whole
+    W = {"a": jnp.ones((2, 2)), "b": 2 * jnp.ones((4, 4))}
+    np.testing.assert_allclose(losses.faithfulness(W, zero), (4 * 1 + 16 * 4) / (4 + 16))
+
+
+def test_p_anneals_linearly_inside_its_window():
+    p = [float(losses.p_at(s, 100, 2.0, 0.4, 0.2, 0.6)) for s in (0, 20, 40, 60, 100)]
+    np.testing.assert_allclose(p, [2.0, 2.0, 1.2, 0.4, 0.4], rtol=1e-6)
+
+
+def test_imp_min_matches_its_definition():
+    ci = jax.random.uniform(jax.random.PRNGKey(0), (3, 4, 5))
+    p, eps, beta = 0.7, 1e-6, 0.2
+    S = np.sum((np.asarray(ci) + eps) ** p, axis=(0, 1))
+    expected = np.sum(S / 12 * (1 + beta * np.log2(1 + S)))
+    np.testing.assert_allclose(losses.importance_minimality({"s": ci}, p, eps, beta), expected,
+                               rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind,k,n_sites,expected", [
+    ("all", 0, 27, 1), ("layerwise", 0, 27, 27), ("chunkwise", 9, 27, 3),
+    ("chunkwise", 3, 27, 9), ("chunkwise", 2, 5, 3), ("chunkwise", 5, 5, 1)])
+def test_plan_forward_counts(kind, k, n_sites, expected):
+    sites = [f"s{i}" for i in range(n_sites)]
+    plan = make_plan(kind, sites, k)
+    assert len(plan) == expected
+    assert [s for fwd in plan for s in fwd] == sites  # every site once, in order
+
+
+def test_recon_term_with_zero_coeff_is_off():
+    from pdecomp.train import StepSpec
+
+    cfg = RunConfig()
+    recon = {**cfg.loss.recon, "layerwise": dc.replace(cfg.loss.recon["layerwise"], coeff=0.0)}
+    spec = StepSpec.from_config(dc.replace(cfg, loss=dc.replace(cfg.loss, recon=recon)))
+    assert [t.name for t in spec.recon] == ["full"]
+
+
+def test_tms_sites_in_canonical_order():
+    t = _tms(hidden=1)
+    assert isinstance(t, TMS) and list(t.site_weights()) == ["linear1", "hidden", "linear2"]
