@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-import uuid
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -127,7 +127,7 @@ def print_findings(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> No
     from pdecomp.config import site_C
 
     for site, C in site_C(cfg).items():
-        def fmt(key: str, spec: str = ".3f") -> str:
+        def fmt(key: str, spec: str = ".3f", site: str = site) -> str:
             v = summary.get(f"{key}/{site}")
             return "-" if v is None else format(v, spec)
 

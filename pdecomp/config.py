@@ -251,10 +251,9 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
         _choice(f"{k}.plan", t.plan, PLANS)
         _choice(f"{k}.source", t.source, SOURCES)
         _choice(f"{k}.routing", t.routing, ROUTINGS)
-        if t.plan == "chunkwise":
-            if not 1 <= t.sites_per_chunk <= len(lay.sites):
-                raise ConfigError(f"{k}.sites_per_chunk", t.sites_per_chunk,
-                                  f"must be in 1..{len(lay.sites)} (the number of sites)")
+        if t.plan == "chunkwise" and not 1 <= t.sites_per_chunk <= len(lay.sites):
+            raise ConfigError(f"{k}.sites_per_chunk", t.sites_per_chunk,
+                              f"must be in 1..{len(lay.sites)} (the number of sites)")
 
     o = cfg.optim
     _positive("optim.steps", o.steps)

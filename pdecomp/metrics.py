@@ -50,6 +50,8 @@ def _match(target_vecs: np.ndarray, comp_vecs: np.ndarray) -> tuple[float, float
 
     For each feature f: the component with the highest cosine similarity to the target's
     vector; MMCS is the mean of those maxima, ML2R the mean norm ratio of the matches.
+    Pass live components only: in a 2-d space a dead component of negligible norm can
+    point along a feature by chance, and cosine similarity ignores its scale.
     """
     t_norm = np.linalg.norm(target_vecs, axis=-1)  # [F]
     c_norm = np.linalg.norm(comp_vecs, axis=-1)  # [F, C]
@@ -60,13 +62,23 @@ def _match(target_vecs: np.ndarray, comp_vecs: np.ndarray) -> tuple[float, float
     return float(cos[f, best].mean()), float((c_norm[f, best] / t_norm).mean()), best
 
 
-def tms_ground_truth(target: TMS, components: Components) -> dict[str, float]:
-    """MMCS/ML2R per TMS site. linear1's feature f writes W[f, :]; component c's counterpart
-    is V[f, c]·U[c, :]. linear2 reads feature f through column f of Wᵀ."""
+def tms_ground_truth(target: TMS, components: Components,
+                     live: dict[str, np.ndarray] | None = None) -> dict[str, float]:
+    """MMCS/ML2R per TMS site over its live components (all when `live` is None).
+
+    linear1's feature f writes W[f, :]; component c's counterpart is V[f, c]·U[c, :].
+    linear2 reads feature f through column f of Wᵀ.
+    """
     out = {}
     W = np.asarray(target.W)
     for site, comp in components.sites.items():
         V, U = np.asarray(comp.V), np.asarray(comp.U)
+        if live is not None:
+            keep = np.asarray(live[site], bool)
+            if not keep.any():
+                out[f"mmcs/{site}"], out[f"ml2r/{site}"] = 0.0, 0.0
+                continue
+            V, U = V[:, keep], U[keep]
         if site == "linear1":
             t, c = W, np.einsum("fc,cd->fcd", V, U)
         elif site == "linear2":

@@ -7,8 +7,8 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
 
 def plot_mean_ci(ci: dict[str, dict], path: Path, threshold: float) -> Path:

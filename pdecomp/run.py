@@ -200,7 +200,8 @@ def evaluate(cfg: RunConfig, target, state: TrainState, run_dir: Path,
         summary[f"live/{s}"] = v["live"]
         summary[f"l0/{s}"] = v["l0"]
     if isinstance(target, targets.TMS):
-        summary.update(metrics.tms_ground_truth(target, state.components))
+        summary.update(metrics.tms_ground_truth(
+            target, state.components, {s: v["max_ci"] > thr for s, v in ci.items()}))
     else:
         summary.update(metrics.resid_one_to_one(target, state.components, state.ci_fn, thr))
     if cfg.logging.plots:

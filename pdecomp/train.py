@@ -79,7 +79,7 @@ class StepSpec:
 
 def schedule(g: OptGroupConfig, total_steps: int) -> optax.Schedule:
     """Linear warmup over warmup_frac, then constant / linear / cosine to final_frac × lr."""
-    warm = int(round(g.warmup_frac * total_steps))
+    warm = round(g.warmup_frac * total_steps)
     rest = max(total_steps - warm, 1)
     end = g.lr * g.final_frac
     if g.schedule == "constant":
@@ -195,7 +195,7 @@ def make_train_step(cfg: RunConfig) -> Callable:
         ci_fn = optax.apply_updates(state.ci_fn, upd)
         metrics = {**{f"loss/{k}": v for k, v in terms.items()},
                    **{f"train/l0/{s}": v for s, v in l0.items()},
-                   "train/p": p, "train/grad_norm/components": optax.global_norm(g_comp)}
+                   "train/p": p, "train/grad_norm/components": optax.tree.norm(g_comp)}
         new = TrainState(state.step + 1, components, ci_fn, comp_state, ci_state, key)
         return new, metrics
 

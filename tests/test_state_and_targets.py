@@ -1,0 +1,80 @@
+"""State round trips through orbax; toy targets are cached and checked for every feature."""
+
+from __future__ import annotations
+
+import dataclasses as dc
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pdecomp import targets
+from pdecomp.checkpoint import Checkpointer
+from pdecomp.config import ModelConfig, RunConfig
+from pdecomp.gate import abstract
+from pdecomp.train import init_state, make_train_step
+
+SMALL = ModelConfig(name="tms_small", train_steps=600, train_batch_size=512)
+
+
+def test_state_round_trips_through_a_checkpoint(tmp_path):
+    cfg = RunConfig(data=dc.replace(RunConfig().data, batch_size=64))
+    target = targets.init_target(jax.random.PRNGKey(0), cfg.model)
+    state = init_state(jax.random.PRNGKey(1), cfg, target)
+    step = jax.jit(make_train_step(cfg))
+    x = targets.sample_inputs(jax.random.PRNGKey(2), cfg.model, 64)
+    state, _ = step(state, target, x)  # non-trivial optimizer moments and step counter
+    ck = Checkpointer(tmp_path / "ck")
+    ck.save(1, state)
+    ck.wait()
+    restored = Checkpointer(tmp_path / "ck").restore(abstract(state))
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # the restored state continues the same trajectory
+    _s1, m1 = step(state, target, x)
+    _s2, m2 = step(restored, target, x)
+    assert float(m1["loss/total"]) == float(m2["loss/total"])
+
+
+def test_partial_checkpoint_is_not_taken_for_complete(tmp_path):
+    cfg = RunConfig()
+    target = targets.init_target(jax.random.PRNGKey(0), cfg.model)
+    state = init_state(jax.random.PRNGKey(1), cfg, target)
+    ck = Checkpointer(tmp_path / "ck")
+    ck.save(5, state)
+    ck.wait()
+    # a writer killed mid-save leaves only a temporary directory behind
+    (tmp_path / "ck" / "9.orbax-checkpoint-tmp").mkdir()
+    assert Checkpointer(tmp_path / "ck").latest_step() == 5
+
+
+def test_target_is_cached_by_its_settings(tmp_path):
+    cfg = dc.replace(SMALL, cache_dir=str(tmp_path))
+    logs: list[str] = []
+    t1, meta1 = targets.load_or_train_target(cfg, log=logs.append)
+    assert any("training target" in m for m in logs)
+    logs.clear()
+    t2, meta2 = targets.load_or_train_target(cfg, log=logs.append)
+    assert logs == []  # loaded, not trained
+    np.testing.assert_array_equal(np.asarray(t1.W), np.asarray(t2.W))
+    assert meta1["features"]["ok"] and meta1 == meta2
+    other = dc.replace(cfg, seed=5)
+    assert targets.cache_key(other) != targets.cache_key(cfg)
+
+
+def test_feature_check_finds_a_dropped_feature():
+    cfg = ModelConfig()
+    t = targets.init_target(jax.random.PRNGKey(0), cfg)
+    t = dc.replace(t, W=t.W.at[3].set(0.0) * 0 + jnp.where(jnp.arange(5)[:, None] == 3, 0.0, 1.0))
+    report = targets.feature_report(t, cfg)
+    assert report["missing"] == [3] and not report["ok"]
+
+
+def test_target_missing_features_on_every_seed_fails_clearly(tmp_path, monkeypatch):
+    cfg = dc.replace(SMALL, cache_dir=str(tmp_path), max_retrain=1)
+    monkeypatch.setattr(targets, "feature_report",
+                        lambda t, c: {"missing": [0], "ok": False, "min_score": 0.0})
+    with pytest.raises(targets.TargetError, match="represents all 5 features"):
+        targets.load_or_train_target(cfg, log=lambda s: None)
+    assert not list(tmp_path.rglob("target.eqx"))  # nothing half-made left in the cache
