@@ -15,6 +15,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from pdecomp.components import Components
 
 ALPHA = 0.01
+_BLOCK_DIAG_MAX_C = 32  # above this the block-diagonal form's extra arithmetic costs more
 
 
 @jax.custom_vjp
@@ -82,6 +83,9 @@ class ComponentwiseMLP(eqx.Module):
 
     def __call__(self, x: Float[Array, "*pos d_in"], V: Float[Array, "d_in C"]
                  ) -> Float[Array, "*pos C"]:
+        C = V.shape[1]
+        if self.on_inner_acts and len(self.weights) == 2 and C <= _BLOCK_DIAG_MAX_C:
+            return self._block_diagonal(x, V)
         if self.on_inner_acts:
             h = (x @ V.astype(x.dtype))[..., None]  # [*pos, C, 1]
         else:
@@ -89,6 +93,23 @@ class ComponentwiseMLP(eqx.Module):
         for i, (w, b) in enumerate(zip(self.weights, self.biases)):
             h = _per_component_dense(jax.nn.gelu(h) if i else h, w.astype(h.dtype)) + b
         return h[..., 0].astype(jnp.float32)
+
+
+    def _block_diagonal(self, x: Array, V: Array) -> Array:
+        """The same one-hidden-layer MLPs as two dense matmuls with block-diagonal weights.
+
+        For small C this does C times the arithmetic of the elementwise form but runs
+        about twice as fast on CPU (dense matmuls are multi-threaded and vectorised; the
+        elementwise passes of the backward are not). Results agree to float rounding.
+        """
+        C, H = self.weights[0].shape[0], self.weights[0].shape[2]
+        eye = jnp.eye(C, dtype=x.dtype)
+        w1 = (eye[:, :, None] * self.weights[0][:, 0, :].astype(x.dtype)[None]).reshape(C, C * H)
+        w2 = (eye[:, None, :] * self.weights[1][:, :, 0].astype(x.dtype)[:, :, None]
+              ).reshape(C * H, C)
+        h = x @ (V.astype(x.dtype) @ w1) + self.biases[0].reshape(-1)
+        out = jax.nn.gelu(h) @ w2 + self.biases[1][:, 0]
+        return out.astype(jnp.float32)
 
 
 class SharedMLP(eqx.Module):

@@ -105,6 +105,7 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
              "components": gate_lib.tree_bytes(state_abs.components),
              "ci function": gate_lib.tree_bytes(state_abs.ci_fn),
              "optimizer moments": gate_lib.tree_bytes((state_abs.comp_opt, state_abs.ci_opt)),
+             "step and key": gate_lib.tree_bytes((state_abs.step, state_abs.key)),
              "batch": gate_lib.tree_bytes(batch_abs, mesh.size)}
     step_fn = make_train_step(cfg)
     compiled, report = gate_lib.compile_and_report(

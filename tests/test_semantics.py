@@ -165,3 +165,20 @@ def test_recon_term_with_zero_coeff_is_off():
 def test_tms_sites_in_canonical_order():
     t = _tms(hidden=1)
     assert isinstance(t, TMS) and list(t.site_weights()) == ["linear1", "hidden", "linear2"]
+
+
+def test_block_diagonal_ci_mlp_equals_elementwise_form():
+    from pdecomp import ci as ci_mod
+    from pdecomp.ci import ComponentwiseMLP
+
+    net = ComponentwiseMLP.init(jax.random.PRNGKey(0), 12, 6, [16], on_inner_acts=True)
+    net = jax.tree.map(lambda w: w + 0.1, net)  # nonzero biases too
+    V = jax.random.normal(jax.random.PRNGKey(1), (6, 12))
+    x = jax.random.normal(jax.random.PRNGKey(2), (32, 6))
+    fast = net(x, V)
+    old, ci_mod._BLOCK_DIAG_MAX_C = ci_mod._BLOCK_DIAG_MAX_C, 0
+    try:
+        slow = net(x, V)
+    finally:
+        ci_mod._BLOCK_DIAG_MAX_C = old
+    np.testing.assert_allclose(fast, slow, rtol=1e-4, atol=1e-5)
