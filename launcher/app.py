@@ -7,6 +7,7 @@ starts, so a bad value ends with one line and exit code 2, leaving no run direct
 from __future__ import annotations
 
 import itertools
+import re
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import hydra
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import OverrideParseException
 from omegaconf import DictConfig
 
 from launcher.registry import register, to_run_config
@@ -51,8 +53,18 @@ def _overrides(argv: list[str]) -> list[str] | None:
     return out
 
 
+_MISSING_OPTION = re.compile(r"Could not find '([^']+)/([^']+)'")
+
+
 def _one_line(e: Exception) -> str:
     """Hydra/OmegaConf errors span several lines; keep the informative ones, on one line."""
+    text = str(e)
+    missing = _MISSING_OPTION.search(text)
+    if missing:  # an unknown group option: name the group and list what exists
+        group, name = missing.groups()
+        options = sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
+        return (f"config error: {group.replace('/', '.')}={name} is not an option; "
+                f"available: {', '.join(options)}")
     parts: list[str] = []
     full_key = None
     for exc in (e, e.__cause__):
@@ -71,7 +83,15 @@ def _one_line(e: Exception) -> str:
 
 def check_overrides(overrides: list[str]) -> int:
     """Compose and validate every combination of sweep values; return how many were checked."""
-    parsed = OverridesParser.create().parse_overrides(overrides)
+    parser, parsed = OverridesParser.create(), []
+    for line in overrides:  # one at a time, so a syntax error can name its key
+        try:
+            parsed += parser.parse_overrides([line])
+        except OverrideParseException as e:
+            key, _, value = line.partition("=")
+            why = "; ".join(x.strip() for x in str(e).splitlines()
+                            if x.strip() and not x.startswith("See "))
+            raise ConfigError(key or line, value, f"bad override syntax: {why}") from None
     choices: list[list[str]] = []
     for o in parsed:
         key = o.get_key_element()

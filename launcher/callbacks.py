@@ -33,7 +33,13 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
 
 
 def sweep_table(rows: list[dict[str, Any]]) -> Table:
-    swept = sorted({o.split("=", 1)[0] for r in rows for o in r["overrides"]})
+    # columns for the overrides whose value differs between jobs (the swept ones)
+    values_of: dict[str, set[str]] = {}
+    for r in rows:
+        for o in r["overrides"]:
+            k, _, v = o.partition("=")
+            values_of.setdefault(k, set()).add(v)
+    swept = sorted(k for k, vs in values_of.items() if len(vs) > 1 or len(rows) == 1)
     keys: list[str] = []
     for r in rows:
         for k in r.get("summary.json", {}):

@@ -39,7 +39,10 @@ def _twin_type(tp: Any) -> Any:
         return mutable_twin(tp)
     if origin is dict:
         k, v = typing.get_args(tp)
-        return dict[k, _twin_type(v)]
+        # OmegaConf 2.3 cannot assign a new entry to a Dict[str, Dataclass] from the command
+        # line (`+loss.recon.chunks={...}`), so such dicts are untyped here; `from_dict`
+        # types and checks their entries.
+        return dict[k, Any] if dataclasses.is_dataclass(v) else dict[k, _twin_type(v)]
     if origin is list:
         (v,) = typing.get_args(tp)
         return list[_twin_type(v)]
@@ -52,7 +55,8 @@ def _twin_value(value: Any) -> Any:
         return twin(**{f.name: _twin_value(getattr(value, f.name))
                        for f in dataclasses.fields(value)})
     if isinstance(value, dict):
-        return {k: _twin_value(v) for k, v in value.items()}
+        return {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else _twin_value(v))
+                for k, v in value.items()}
     if isinstance(value, list):
         return [_twin_value(v) for v in value]
     return value

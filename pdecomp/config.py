@@ -316,7 +316,9 @@ def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
 
 def _convert(tp: Any, value: Any, dotted: str) -> Any:
     origin = typing.get_origin(tp)
-    if is_dataclass(tp) and isinstance(value, Mapping):
+    if is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(dotted, value, f"must be a mapping of {tp.__name__} fields")
         return from_dict(tp, value, dotted + ".")
     if origin is dict and isinstance(value, Mapping):
         _, vt = typing.get_args(tp)
@@ -324,4 +326,8 @@ def _convert(tp: Any, value: Any, dotted: str) -> Any:
     if origin is list and isinstance(value, (list, tuple)):
         (vt,) = typing.get_args(tp)
         return [_convert(vt, v, dotted) for v in value]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool) and (type(value) is not tp):
+        raise ConfigError(dotted, value, f"must be of type {tp.__name__}")
     return value

@@ -1,0 +1,288 @@
+"""End-to-end journeys through the `pdecomp` CLI: help, config, run, resume, gate, sweeps, wandb.
+
+Each journey runs the real console script in a subprocess with a temporary working
+directory. The toy target cache ($PDECOMP_CACHE) is shared across this module, so the
+target trains once; wandb runs offline and keeps its files inside each run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+BIN = Path(sys.executable).parent
+
+
+def _script(name: str) -> str:
+    p = BIN / name
+    return str(p) if p.exists() else (shutil.which(name) or name)
+
+
+PDECOMP = _script("pdecomp")
+WANDB = _script("wandb")
+
+# Tiny runs: a few seconds of training each on a CPU.
+TINY = ["optim.steps=40", "logging.log_every=10", "model.train_steps=500",
+        "data.batch_size=256", "data.eval_batches=1", "optim.faith_warmup_steps=10"]
+TINY_NO_BATCH = [o for o in TINY if not o.startswith("data.batch_size=")]
+
+# One override (or more) in every config group.
+ALL_GROUPS = [
+    "model=tms_5-2", "model.max_retrain=5",  # max_retrain is not part of the target cache key
+    "layers.C=12", "layers.ci_hidden=[8]",
+    "loss.imp_min_coeff=0.002", "loss.recon.layerwise.coeff=0.5",
+    "optim.components.lr=0.002", "optim.ci_fn.schedule=linear",
+    "data.eval_batches=1",
+    "mesh=single",
+    "memory.safety_fraction=0.8",
+    "gate.target=local",
+    "logging.wandb_project=journeys", "logging.ckpt_every=20",
+]
+GATE_KEYS = ("peak_bytes", "argument_bytes", "temp_bytes", "cap_bytes", "fits")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    e = dict(os.environ)
+    for var in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        e.pop(var, None)  # the launcher keeps wandb's files in the run dir unless these are set
+    e.update(PDECOMP_CACHE=str(tmp_path_factory.mktemp("pdecomp_cache")),
+             WANDB_MODE="offline", WANDB_SILENT="true")
+    return e
+
+
+def pdecomp(args: list[str], cwd: Path, env: dict[str, str],
+            timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PDECOMP, *args], check=False, cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def ok(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    assert proc.returncode == 0, (proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return proc
+
+
+def load_json(path: Path) -> Any:
+    assert path.is_file(), f"missing {path}"
+    return json.loads(path.read_text())
+
+
+def wandb_run_dirs(run_dir: Path) -> list[Path]:
+    return sorted((run_dir / "wandb").glob("offline-run-*"))
+
+
+@pytest.fixture(scope="module")
+def full_run(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+             ) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """A finished tiny run with overrides in every group (the target trains here, once)."""
+    cwd = tmp_path_factory.mktemp("full_run_cwd")
+    run_dir = cwd / "run"
+    proc = pdecomp([*TINY, *ALL_GROUPS, f"hydra.run.dir={run_dir}"], cwd, env)
+    return run_dir, proc
+
+
+# --- no run ----------------------------------------------------------------------------
+
+
+def test_help_lists_config_groups(env: dict[str, str], tmp_path: Path) -> None:
+    proc = ok(pdecomp(["--help"], tmp_path, env, timeout=120))
+    out = proc.stdout
+    assert "Configuration groups" in out
+    for group in ("model", "layers", "loss", "optim", "data", "mesh", "memory", "gate",
+                  "logging", "cluster"):
+        assert any(line.startswith(f"{group}:") for line in out.splitlines()), (group, out)
+    assert "tms_5-2" in out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cfg_job_prints_composed_config(env: dict[str, str], tmp_path: Path) -> None:
+    proc = ok(pdecomp(["--cfg", "job", "layers.C=7", "mesh=single"], tmp_path, env,
+                      timeout=120))
+    assert "model:" in proc.stdout and "layers:" in proc.stdout
+    cfg = yaml.safe_load(proc.stdout)
+    assert set(cfg) >= {"model", "layers", "loss", "optim", "data", "mesh", "memory", "gate",
+                        "logging"}
+    assert "hydra" not in cfg
+    assert cfg["layers"]["C"] == 7 and cfg["mesh"]["name"] == "single"
+    assert cfg["model"]["name"] == "tms_5-2"
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- one run ---------------------------------------------------------------------------
+
+
+def test_run_with_overrides_in_every_group(full_run) -> None:
+    run_dir, proc = full_run
+    ok(proc)
+
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert cfg["layers"]["C"] == 12 and cfg["layers"]["ci_hidden"] == [8]
+    assert cfg["loss"]["imp_min_coeff"] == 0.002
+    assert cfg["loss"]["recon"]["layerwise"]["coeff"] == 0.5
+    assert cfg["optim"]["steps"] == 40 and cfg["optim"]["ci_fn"]["schedule"] == "linear"
+    assert cfg["data"]["batch_size"] == 256
+    assert cfg["mesh"] == {"name": "single", "data": 1}
+    assert cfg["memory"]["safety_fraction"] == 0.8
+    assert cfg["gate"]["target"] == "local"
+    assert cfg["logging"]["wandb_project"] == "journeys"
+    assert cfg["model"]["max_retrain"] == 5
+
+    gate = load_json(run_dir / "gate.json")
+    for k in GATE_KEYS:
+        assert k in gate, k
+    assert gate["fits"] is True and 0 < gate["peak_bytes"] <= gate["cap_bytes"]
+    assert gate["mesh"] == {"data": 1}
+
+    summary = load_json(run_dir / "summary.json")
+    for k in ("live/linear1", "live/linear2", "mmcs/linear1", "mmcs/linear2", "loss/total",
+              "loss/imp_min", "loss/recon_full"):
+        assert k in summary, (k, sorted(summary))
+    assert summary["steps"] == 40
+    assert 0 <= summary["live/linear1"] <= 12
+    assert 0.0 < summary["mmcs/linear1"] <= 1.0 + 1e-6
+
+    png = run_dir / "mean_ci.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (run_dir / "wandb").is_dir()
+    wb = wandb_run_dirs(run_dir)
+    assert len(wb) == 1 and list(wb[0].glob("run-*.wandb")), list((run_dir / "wandb").iterdir())
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["20", "40"]
+    assert "what SPD found" in proc.stderr
+
+
+def test_rerun_same_dir_resumes_from_checkpoint(full_run, env: dict[str, str],
+                                                tmp_path: Path) -> None:
+    src, proc = full_run
+    ok(proc)
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(src, run_dir)  # leave the shared run untouched for the other journeys
+    more = [o for o in TINY if not o.startswith("optim.steps=")] + ["optim.steps=60"]
+    proc2 = ok(pdecomp([*more, *ALL_GROUPS, f"hydra.run.dir={run_dir}"], tmp_path, env))
+    assert "resumed from checkpoint" in proc2.stdout + proc2.stderr
+    assert "at step 40" in proc2.stdout + proc2.stderr
+    summary = load_json(run_dir / "summary.json")
+    assert summary["steps"] == 60
+    # Only the new steps ran.
+    history = load_json(run_dir / "history.json")
+    assert [h["step"] for h in history] == [50, 60]
+    assert {"40", "60"} <= {p.name for p in (run_dir / "checkpoints").iterdir()}
+    assert (run_dir / "wandb_id.txt").read_text() == (src / "wandb_id.txt").read_text()
+
+
+def test_gate_only_writes_report_and_no_summary(env: dict[str, str], tmp_path: Path) -> None:
+    run_dir = tmp_path / "gate_only"
+    proc = ok(pdecomp([*TINY, "gate.only=true", f"hydra.run.dir={run_dir}"], tmp_path, env))
+    gate = load_json(run_dir / "gate.json")
+    for k in GATE_KEYS:
+        assert k in gate, k
+    assert gate["fits"] is True
+    assert not (run_dir / "summary.json").exists()
+    assert not (run_dir / "checkpoints").exists()
+    assert "memory gate" in proc.stderr
+
+
+def test_tiny_hbm_cap_refuses_with_exit_3(env: dict[str, str], tmp_path: Path) -> None:
+    run_dir = tmp_path / "refused"
+    proc = pdecomp([*TINY, "memory.hbm_cap_gib=0.000001", f"hydra.run.dir={run_dir}"],
+                   tmp_path, env)
+    assert proc.returncode == 3, (proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr
+    assert "gate refused" in proc.stderr
+    gate = load_json(run_dir / "gate.json")
+    assert gate["fits"] is False and gate["peak_bytes"] > gate["cap_bytes"]
+    assert gate["cap_source"] == "memory.hbm_cap_gib"
+    ckpts = run_dir / "checkpoints"
+    assert not ckpts.exists() or not any(ckpts.iterdir())
+    assert not (run_dir / "summary.json").exists()
+
+
+# --- sweeps ----------------------------------------------------------------------------
+
+
+def check_sweep(proc: subprocess.CompletedProcess[str], sweep_dir: Path) -> None:
+    ok(proc)
+    assert "sweep summary" in proc.stdout, proc.stdout[-3000:]
+    jobs = sorted(p.name for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit())
+    assert jobs == ["0", "1", "2"]
+    sizes = []
+    for j in jobs:
+        summary = load_json(sweep_dir / j / "summary.json")
+        assert summary["steps"] == 40 and "loss/total" in summary
+        cfg = yaml.safe_load((sweep_dir / j / "config.yaml").read_text())
+        sizes.append(cfg["data"]["batch_size"])
+    assert sorted(sizes) == [128, 256, 512]
+    rows = load_json(sweep_dir / "sweep_summary.json")
+    assert len(rows) == 3
+    assert all("summary.json" in r and "gate.json" in r for r in rows)
+    assert sorted(o for r in rows for o in r["overrides"] if o.startswith("data.batch_size=")) \
+        == ["data.batch_size=128", "data.batch_size=256", "data.batch_size=512"]
+
+
+def test_sweep_basic_launcher(env: dict[str, str], tmp_path: Path) -> None:
+    sweep_dir = tmp_path / "sweep"
+    proc = pdecomp(["-m", *TINY_NO_BATCH, "data.batch_size=128,256,512",
+                    f"hydra.sweep.dir={sweep_dir}"], tmp_path, env, timeout=400)
+    check_sweep(proc, sweep_dir)
+
+
+@pytest.mark.slow
+def test_sweep_submitit_local(env: dict[str, str], tmp_path: Path) -> None:
+    sweep_dir = tmp_path / "sweep_local"
+    proc = pdecomp(["-m", "cluster=local", *TINY_NO_BATCH, "data.batch_size=128,256,512",
+                    f"hydra.sweep.dir={sweep_dir}"], tmp_path, env, timeout=900)
+    check_sweep(proc, sweep_dir)
+    assert (sweep_dir / ".submitit").is_dir()
+
+
+# --- wandb read back -------------------------------------------------------------------
+
+
+def leet(args: list[str]) -> str:
+    proc = subprocess.run([WANDB, "leet", "inspect", *args], check=False, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    return proc.stdout
+
+
+def test_offline_wandb_run_reads_back(full_run) -> None:
+    run_dir, proc = full_run
+    ok(proc)
+    (wb_dir,) = wandb_run_dirs(run_dir)
+
+    run = json.loads(leet(["--summary", "--json", str(wb_dir)]))
+    assert run["state"] == "finished" and run["exit_code"] == 0
+    assert run["project"] == "journeys"
+    assert run["run_id"] == (run_dir / "wandb_id.txt").read_text().strip()
+    assert run["config"]["layers"]["C"] == 12 and run["config"]["mesh"]["name"] == "single"
+
+    s = run["summary"]
+    for k in ("loss/total", "loss/imp_min", "loss/recon_full", "hbm/predicted_peak_gib",
+              "live/linear1", "mmcs/linear1", "steps"):
+        assert k in s, (k, sorted(s))
+    summary = load_json(run_dir / "summary.json")
+    assert s["loss/total"] == pytest.approx(summary["loss/total"])
+    assert s["steps"] == 40
+    gate = load_json(run_dir / "gate.json")
+    assert isinstance(s["gate"], dict)
+    for k in GATE_KEYS:
+        assert k in s["gate"], k
+    assert s["gate"]["peak_bytes"] == gate["peak_bytes"] and s["gate"]["fits"] is True
+    assert s["hbm/predicted_peak_gib"] == pytest.approx(gate["peak_bytes"] / 2**30)
+
+    records = [json.loads(line) for line in leet(["--json", str(wb_dir)]).splitlines() if line]
+    rows = {r["history"]["step"].get("num", 0): r["history"]["item"]
+            for r in records if r.get("type") == "history"}
+    assert sorted(rows) == [0, 10, 20, 30, 40]
+    assert "hbm/predicted_peak_gib" in rows[0]
+    for step in (10, 20, 30, 40):
+        assert {"loss/total", "loss/imp_min", "loss/recon_full"} <= set(rows[step]), rows[step]
+    assert rows[40]["loss/total"] == pytest.approx(summary["loss/total"])
