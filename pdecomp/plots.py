@@ -49,3 +49,24 @@ def plot_tms_directions(W: np.ndarray, comp_rows: np.ndarray, live: np.ndarray, 
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_history(history: list[dict[str, float]], path: Path) -> Path:
+    """Loss terms (log scale) and L0 per site over training."""
+    steps = [h["step"] for h in history]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
+    for k in sorted({k for h in history for k in h if k.startswith("loss/")}):
+        a.plot(steps, [max(h.get(k, np.nan), 1e-12) for h in history], label=k[5:])
+    a.set_yscale("log")
+    a.set_xlabel("step")
+    a.set_title("loss terms", fontsize=10)
+    a.legend(fontsize=7)
+    for k in sorted({k for h in history for k in h if k.startswith("train/l0/")}):
+        b.plot(steps, [h.get(k, np.nan) for h in history], label=k[9:])
+    b.set_xlabel("step")
+    b.set_title("L0 (components with CI > threshold, per input)", fontsize=10)
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -141,6 +141,9 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
     steps, log_every = cfg.optim.steps, cfg.logging.log_every
     ckpt_every = cfg.logging.ckpt_every or steps
     history: list[dict[str, float]] = []
+    if start and (run_dir / "history.json").exists():  # keep what the first attempt logged
+        history = [h for h in json.loads((run_dir / "history.json").read_text())
+                   if h["step"] <= start]
     t_log, last = time.perf_counter(), {}
     for i in range(start, steps):
         batch = jax.device_put(sample(jax.random.fold_in(data_key, i)), batch_sharding)
@@ -172,9 +175,12 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
             hooks.progress(done, steps, last)
         if done % ckpt_every == 0 or done == steps:
             ckpt.save(done, state)
+            write_json(run_dir / "history.json", history)
     ckpt.close()
 
     summary = evaluate(cfg, target, state, run_dir, hooks)
+    if cfg.logging.plots and history:
+        summary["plots/history"] = str(plots.plot_history(history, run_dir / "history.png"))
     summary.update({k: v for k, v in last.items() if k.startswith(("loss/", "perf/"))})
     summary["steps"] = int(state.step)
     summary["target/seed"] = target_meta.get("seed")

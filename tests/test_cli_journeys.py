@@ -171,9 +171,9 @@ def test_rerun_same_dir_resumes_from_checkpoint(full_run, env: dict[str, str],
     assert "at step 40" in proc2.stdout + proc2.stderr
     summary = load_json(run_dir / "summary.json")
     assert summary["steps"] == 60
-    # Only the new steps ran.
+    # The curve continues the first attempt's: steps up to 40 kept, 50 and 60 new.
     history = load_json(run_dir / "history.json")
-    assert [h["step"] for h in history] == [50, 60]
+    assert [h["step"] for h in history] == [10, 20, 30, 40, 50, 60]
     assert {"40", "60"} <= {p.name for p in (run_dir / "checkpoints").iterdir()}
     assert (run_dir / "wandb_id.txt").read_text() == (src / "wandb_id.txt").read_text()
 
