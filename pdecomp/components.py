@@ -64,6 +64,17 @@ class Components(eqx.Module):
                            for k, s in zip(keys, C, strict=True)})
 
 
+def with_tied(components: Components, tied: Mapping[str, str]) -> Components:
+    """All sites' components: each follower site gets its leader's transpose (V=Uᵀ, U=Vᵀ),
+    so gradients from both sites reach the one set of parameters."""
+    sites = dict(components.sites)
+    for follower, leader in tied.items():
+        if leader in sites:
+            lead = sites[leader]
+            sites[follower] = SiteComponents(lead.U.T, lead.V.T)
+    return Components(sites)
+
+
 class SiteMask(NamedTuple):
     """How one live site runs in one forward. Shapes lead with the site input's positions."""
 

@@ -63,6 +63,9 @@ class LayersConfig:
     delta: bool = True
     ci_fn: str = "mlp"  # one of CI_FN_TYPES
     ci_hidden: list[int] = field(default_factory=lambda: [16])
+    # A target with tied weights (TMS: linear2 = linear1ᵀ) gets tied components too: the
+    # follower's V, U are its leader's Uᵀ, Vᵀ and own no parameters (as in the SPD paper).
+    tie: bool = True
 
 
 @dataclass(frozen=True)
@@ -227,6 +230,11 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
             raise ConfigError(f"layers.C_per_site.{s}", c, f"keys must be decomposed sites: "
                               f"{', '.join(lay.sites)}")
         _positive(f"layers.C_per_site.{s}", c)
+    for follower, leader in tied_sites(cfg).items():
+        c_f, c_l = lay.C_per_site.get(follower, lay.C), lay.C_per_site.get(leader, lay.C)
+        if c_f != c_l:
+            raise ConfigError(f"layers.C_per_site.{follower}", c_f,
+                              f"tied to {leader}: needs its C ({c_l}), or set layers.tie=false")
     _choice("layers.ci_fn", lay.ci_fn, CI_FN_TYPES)
     for h in lay.ci_hidden:
         _positive("layers.ci_hidden", h)
@@ -289,6 +297,14 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
     _choice("gate.target", cfg.gate.target, GATE_TARGETS)
     _positive("logging.log_every", cfg.logging.log_every)
     _positive("logging.ckpt_every", cfg.logging.ckpt_every, zero_ok=True)
+
+
+def tied_sites(cfg: RunConfig) -> dict[str, str]:
+    """follower → leader for the decomposed sites whose weights the target ties."""
+    if not cfg.layers.tie or cfg.model.kind != "tms":
+        return {}
+    chosen = set(cfg.layers.sites)
+    return {"linear2": "linear1"} if {"linear1", "linear2"} <= chosen else {}
 
 
 def site_C(cfg: RunConfig) -> dict[str, int]:

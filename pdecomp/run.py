@@ -24,7 +24,8 @@ from jax.sharding import PartitionSpec as P
 from pdecomp import gate as gate_lib
 from pdecomp import metrics, plots, targets
 from pdecomp.checkpoint import Checkpointer
-from pdecomp.config import RunConfig, validate
+from pdecomp.components import with_tied
+from pdecomp.config import RunConfig, tied_sites, validate
 from pdecomp.train import TrainState, faithfulness_warmup, init_state, make_train_step
 
 EXIT_GATE_REFUSED = 3
@@ -198,24 +199,25 @@ def evaluate(cfg: RunConfig, target, state: TrainState, run_dir: Path,
              hooks: Hooks) -> dict[str, Any]:
     """Final metrics on fresh batches, the ground-truth match, and the plots."""
     thr = cfg.loss.ci_threshold
+    components = with_tied(state.components, tied_sites(cfg))
     eval_key = jax.random.PRNGKey(cfg.seed + 10_000)
     batches = (targets.sample_inputs(jax.random.fold_in(eval_key, i), cfg.model,
                                      cfg.data.batch_size) for i in range(cfg.data.eval_batches))
-    ci = metrics.ci_summary(target, state.components, state.ci_fn, batches, thr)
+    ci = metrics.ci_summary(target, components, state.ci_fn, batches, thr)
     summary: dict[str, Any] = {}
     for s, v in ci.items():
         summary[f"live/{s}"] = v["live"]
         summary[f"l0/{s}"] = v["l0"]
     if isinstance(target, targets.TMS):
         summary.update(metrics.tms_ground_truth(
-            target, state.components, {s: v["max_ci"] > thr for s, v in ci.items()}))
+            target, components, {s: v["max_ci"] > thr for s, v in ci.items()}))
     else:
-        summary.update(metrics.resid_one_to_one(target, state.components, state.ci_fn, thr))
+        summary.update(metrics.resid_one_to_one(target, components, state.ci_fn, thr))
     if cfg.logging.plots:
         summary["plots/mean_ci"] = str(plots.plot_mean_ci(ci, run_dir / "mean_ci.png", thr))
         if isinstance(target, targets.TMS) and target.W.shape[1] == 2 \
-                and "linear1" in state.components.sites:
-            comp = state.components.sites["linear1"]
+                and "linear1" in components.sites:
+            comp = components.sites["linear1"]
             V, U = np.asarray(comp.V), np.asarray(comp.U)
             scale = V[np.abs(V).argmax(0), np.arange(V.shape[1])]
             rows = U * scale[:, None]

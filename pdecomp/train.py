@@ -23,8 +23,8 @@ from jaxtyping import Array, PRNGKeyArray
 
 from pdecomp import losses
 from pdecomp.ci import CIFunction, ci_lower, ci_upper
-from pdecomp.components import Components, masked_linear, recording_linear
-from pdecomp.config import OptGroupConfig, RunConfig, site_C
+from pdecomp.components import Components, masked_linear, recording_linear, with_tied
+from pdecomp.config import OptGroupConfig, RunConfig, site_C, tied_sites
 from pdecomp.masks import Plan, make_plan, sample_forward_masks
 
 
@@ -53,6 +53,7 @@ class StepSpec:
     """The static (hashable) part of a step, derived from a RunConfig."""
 
     sites: tuple[str, ...]
+    tied: tuple[tuple[str, str], ...]  # (follower, leader)
     delta: bool
     recon: tuple[ReconTerm, ...]
     distance: str
@@ -71,7 +72,8 @@ class StepSpec:
         recon = tuple(ReconTerm(n, t.coeff, make_plan(t.plan, sites, t.sites_per_chunk),
                                 t.source, t.routing) for n, t in lo.recon.items()
                       if t.coeff > 0)  # a zero coefficient switches a term off
-        return StepSpec(sites, cfg.layers.delta, recon, lo.distance, lo.faithfulness_coeff,
+        tied = tuple(tied_sites(cfg).items())
+        return StepSpec(sites, tied, cfg.layers.delta, recon, lo.distance, lo.faithfulness_coeff,
                         lo.imp_min_coeff, (lo.p_start, lo.p_end, lo.p_anneal_start_frac,
                                            lo.p_anneal_end_frac), lo.beta, lo.eps,
                         cfg.optim.steps, cfg.memory.compute_dtype)
@@ -107,7 +109,8 @@ def init_state(key: PRNGKeyArray, cfg: RunConfig, target) -> TrainState:
     C = site_C(cfg)
     shapes = site_shapes(target)
     k_comp, k_ci, k_run = jax.random.split(key, 3)
-    components = Components.init(k_comp, shapes, C)
+    own = {s: c for s, c in C.items() if s not in tied_sites(cfg)}  # followers own nothing
+    components = Components.init(k_comp, shapes, own)
     ci_fn = CIFunction.init(k_ci, cfg.layers.ci_fn, {s: shapes[s][0] for s in C}, C,
                             list(cfg.layers.ci_hidden))
     return TrainState(
@@ -123,13 +126,18 @@ def faithfulness_warmup(cfg: RunConfig, components: Components, target) -> Compo
     if o.faith_warmup_steps == 0:
         return components
     opt = optax.adamw(o.faith_warmup_lr, weight_decay=o.faith_warmup_weight_decay)
-    weights = {s: W for s, W in target.site_weights().items() if s in components.sites}
+    tied = StepSpec.from_config(cfg).tied
+    sites = set(site_C(cfg))
+    weights = {s: W for s, W in target.site_weights().items() if s in sites}
+
+    def faith(comps):
+        return losses.faithfulness(weights, with_tied(comps, dict(tied)))
 
     @jax.jit
-    def run(components, weights):
+    def run(components):
         def body(_, carry):
             comps, opt_state = carry
-            grads = jax.grad(losses.faithfulness, argnums=1)(weights, comps)
+            grads = jax.grad(faith)(comps)
             updates, opt_state = opt.update(grads, opt_state, comps)
             return optax.apply_updates(comps, updates), opt_state
 
@@ -137,7 +145,7 @@ def faithfulness_warmup(cfg: RunConfig, components: Components, target) -> Compo
                                      (components, opt.init(components)))
         return comps
 
-    return run(components, weights)
+    return run(components)
 
 
 def make_train_step(cfg: RunConfig) -> Callable:
@@ -150,7 +158,8 @@ def make_train_step(cfg: RunConfig) -> Callable:
     threshold = cfg.loss.ci_threshold
 
     def loss_fn(params, target, batch, key, step):
-        components, ci_fn = params
+        own_components, ci_fn = params
+        components = with_tied(own_components, dict(spec.tied))
         x = batch.astype(dtype)
         # 1. Clean forward: the recon target and the CI function's inputs.
         site_inputs: dict[str, Array] = {}

@@ -36,7 +36,7 @@ def test_report_fields_and_argument_bytes(tmp_path):
     parts = report["argument_parts_bytes"]
     assert report["argument_bytes"] == sum(parts.values())
     assert parts["batch"] == 256 * 5 * 4
-    assert parts["components"] == 2 * (5 * 20 + 20 * 2) * 4
+    assert parts["components"] == (5 * 20 + 20 * 2) * 4  # linear2 is tied: owns nothing
     assert report["fits"] and report["n_devices"] == len(jax.devices())
     assert not (tmp_path / "run" / "checkpoints").exists()  # gate only: nothing trained
 

@@ -182,3 +182,21 @@ def test_block_diagonal_ci_mlp_equals_elementwise_form():
     finally:
         ci_mod._BLOCK_DIAG_MAX_C = old
     np.testing.assert_allclose(fast, slow, rtol=1e-4, atol=1e-5)
+
+
+def test_tied_follower_is_the_leaders_transpose_and_trains_it():
+    from pdecomp.components import with_tied
+
+    lead = Components.init(jax.random.PRNGKey(1), {"linear1": (5, 2)}, {"linear1": 4})
+    both = with_tied(lead, {"linear2": "linear1"})
+    np.testing.assert_array_equal(both.sites["linear2"].V, lead.sites["linear1"].U.T)
+    np.testing.assert_array_equal(both.sites["linear2"].U, lead.sites["linear1"].V.T)
+    target = _tms()
+    x = jax.random.uniform(jax.random.PRNGKey(2), (16, 5))
+
+    def loss(c):  # only linear2 is live: its gradient must reach linear1's parameters
+        masks = {"linear2": SiteMask(jnp.full((16, 4), 0.5), None, None)}
+        return jnp.sum(target(x, masked_linear(with_tied(c, {"linear2": "linear1"}), masks)))
+
+    g = jax.grad(loss)(lead)
+    assert float(jnp.abs(g.sites["linear1"].V).max()) > 0.0
