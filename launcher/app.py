@@ -7,6 +7,7 @@ starts, so a bad value ends with one line and exit code 2, leaving no run direct
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import sys
 from pathlib import Path
@@ -118,7 +119,19 @@ def _hydra_main(cfg: DictConfig) -> dict:
     return run_job(cfg)
 
 
+def split_cpu_host() -> None:
+    """On a host without accelerators XLA makes one CPU device; give it one per core (or
+    $PDECOMP_CPU_DEVICES) so the data axis spreads each step over every core. This only
+    shapes the CPU platform: on a GPU host the mesh is built from the GPUs."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" in flags:
+        return
+    n = int(os.environ.get("PDECOMP_CPU_DEVICES", os.cpu_count() or 1))
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
 def main() -> None:
+    split_cpu_host()
     overrides = _overrides(sys.argv[1:])
     if overrides is not None:
         try:
@@ -126,7 +139,7 @@ def main() -> None:
         except ConfigError as e:
             print(e, file=sys.stderr)
             sys.exit(EXIT_BAD_CONFIG)
-        except Exception as e:  # Hydra's and OmegaConf's compose-time errors
+        except Exception as e:  # noqa: BLE001 - Hydra's and OmegaConf's compose-time errors
             print(_one_line(e), file=sys.stderr)
             sys.exit(EXIT_BAD_CONFIG)
     _hydra_main()

@@ -281,8 +281,8 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
     _positive("data.batch_size", cfg.data.batch_size)
     _positive("data.eval_batches", cfg.data.eval_batches)
     _positive("mesh.data", cfg.mesh.data, zero_ok=True)
-    if n_devices is not None:
-        data = cfg.mesh.data or n_devices
+    if n_devices is not None and cfg.mesh.data:
+        data = cfg.mesh.data
         if data > n_devices:
             raise ConfigError("mesh.data", cfg.mesh.data, f"the job has {n_devices} device(s)")
         if cfg.data.batch_size % data:

@@ -50,8 +50,10 @@ class Hooks:
 
 
 def make_mesh(cfg: RunConfig) -> Mesh:
+    """A 1-d data mesh: `mesh.data` devices, or the most devices that divide the batch."""
     devices = jax.devices()
-    n = cfg.mesh.data or len(devices)
+    n = cfg.mesh.data or max(k for k in range(1, len(devices) + 1)
+                             if cfg.data.batch_size % k == 0)
     return Mesh(np.array(devices[:n]), ("data",))
 
 

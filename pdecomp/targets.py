@@ -198,7 +198,7 @@ def load_or_train_target(cfg: ModelConfig, log: Callable[[str], None] = print,
         meta = json.loads((path / "meta.json").read_text())
         try:
             return eqx.tree_deserialise_leaves(path / "target.eqx", skeleton), meta
-        except Exception as e:  # a corrupt cache entry is retrained, not trusted
+        except Exception as e:  # noqa: BLE001 - a corrupt cache entry is retrained, not trusted
             log(f"target cache at {path} unreadable ({e}); retraining")
     tried = []
     for attempt in range(cfg.max_retrain + 1):
