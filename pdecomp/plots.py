@@ -36,11 +36,16 @@ def plot_tms_directions(W: np.ndarray, comp_rows: np.ndarray, live: np.ndarray, 
     direction U[c] scaled by its largest |V[f, c]| (right). Only for 2-d hidden spaces."""
     fig, (a, b) = plt.subplots(1, 2, figsize=(8, 4))
     lim = 1.2 * max(np.abs(W).max(), np.abs(comp_rows).max(initial=1e-6))
-    for ax, vecs, title in ((a, W, "target features W[f]"),
-                            (b, comp_rows[live], "live components")):
-        for i, v in enumerate(vecs):
+    rows = comp_rows[live]
+    # colour each component like the feature it points along most closely
+    cos = rows @ W.T / np.maximum(np.linalg.norm(rows, axis=1)[:, None]
+                                  * np.linalg.norm(W, axis=1)[None], 1e-12)
+    matched = cos.argmax(1) if len(rows) else np.zeros(0, int)
+    for ax, vecs, colours, title in ((a, W, range(len(W)), "target features W[f]"),
+                                     (b, rows, matched, "live components")):
+        for v, c in zip(vecs, colours):
             ax.arrow(0, 0, v[0], v[1], head_width=0.04 * lim, length_includes_head=True,
-                     color=plt.cm.tab10(i % 10))
+                     color=plt.cm.tab10(int(c) % 10))
         ax.set_xlim(-lim, lim)
         ax.set_ylim(-lim, lim)
         ax.set_aspect("equal")
