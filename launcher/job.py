@@ -68,8 +68,9 @@ class WandbLogger:
 def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
     from pdecomp.run import GateRefused, Hooks, decompose
 
-    # orbax logs every checkpoint step at INFO through absl; keep the console for results.
-    logging.getLogger("absl").setLevel(logging.WARNING)
+    # orbax (through absl) and jax log routine events at INFO; keep the console for results.
+    for name in ("absl", "jax"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
     cfg = to_run_config(dict_cfg)
     hc = HydraConfig.get()

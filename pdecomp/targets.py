@@ -159,18 +159,20 @@ def train_target(cfg: ModelConfig, seed: int,
 def feature_report(target: Target, cfg: ModelConfig) -> dict[str, object]:
     """Does the target represent every feature? The decomposition's ground truth needs it.
 
-    TMS: a feature is represented when its embedding row has norm ≥ 0.5 (dropped features
-    collapse to ~0). Residual MLP: when the MLP adds ≥ 0.5 (of the ideal 1.0) to output i
-    for the one-hot input e_i.
+    TMS: a feature is represented when its embedding row has norm ≥ 0.5 (represented rows
+    have norm ~1, dropped ones collapse to ~0). Residual MLP: when the MLP adds ≥ 0.25 of the
+    ideal 1.0 to output i for the one-hot input e_i; 100 features share 50 neurons, so
+    interference leaves some features well below 1 without the feature being dropped.
     """
     if isinstance(target, TMS):
-        score = np.asarray(jnp.linalg.norm(target.W, axis=-1))
+        score, threshold = np.asarray(jnp.linalg.norm(target.W, axis=-1)), 0.5
     else:
         eye = jnp.eye(cfg.n_features, dtype=jnp.float32)
-        score = np.asarray(jnp.diagonal(target(eye)) - 1.0)
-    missing = [int(i) for i in np.flatnonzero(score < 0.5)]
-    return {"n_features": cfg.n_features, "missing": missing,
-            "min_score": float(score.min()), "ok": not missing}
+        score, threshold = np.asarray(jnp.diagonal(target(eye)) - 1.0), 0.25
+    missing = [int(i) for i in np.flatnonzero(score < threshold)]
+    return {"n_features": cfg.n_features, "missing": missing, "threshold": threshold,
+            "min_score": float(score.min()), "median_score": float(np.median(score)),
+            "ok": not missing}
 
 
 def cache_key(cfg: ModelConfig) -> str:
@@ -209,7 +211,8 @@ def load_or_train_target(cfg: ModelConfig, log: Callable[[str], None] = print,
         tried.append({"seed": seed, **report})
         if report["ok"]:
             break
-        log(f"target {cfg.name} seed {seed} misses features {report['missing']}; retraining")
+        log(f"target {cfg.name} seed {seed} misses features {report['missing']} (scores below "
+            f"{report['threshold']}; median {report['median_score']:.3f}); retraining")
     else:
         raise TargetError(f"target {cfg.name}: no seed of {[t['seed'] for t in tried]} "
                           f"represents all {cfg.n_features} features: {tried}")

@@ -74,7 +74,8 @@ def test_feature_check_finds_a_dropped_feature():
 def test_target_missing_features_on_every_seed_fails_clearly(tmp_path, monkeypatch):
     cfg = dc.replace(SMALL, cache_dir=str(tmp_path), max_retrain=1)
     monkeypatch.setattr(targets, "feature_report",
-                        lambda t, c: {"missing": [0], "ok": False, "min_score": 0.0})
+                        lambda t, c: {"missing": [0], "ok": False, "min_score": 0.0,
+                                      "median_score": 0.0, "threshold": 0.5})
     with pytest.raises(targets.TargetError, match="represents all 5 features"):
         targets.load_or_train_target(cfg, log=lambda s: None)
     assert not list(tmp_path.rglob("target.eqx"))  # nothing half-made left in the cache
