@@ -200,3 +200,26 @@ def test_tied_follower_is_the_leaders_transpose_and_trains_it():
 
     g = jax.grad(loss)(lead)
     assert float(jnp.abs(g.sites["linear1"].V).max()) > 0.0
+
+
+@pytest.mark.parametrize("ci_fn", ["mlp", "vector_mlp", "shared_mlp"])
+@pytest.mark.parametrize("source,routing,plan", [
+    ("continuous", "all", "all"), ("binomial", "uniform_k", "chunkwise"),
+    ("ci", "all", "layerwise")])
+def test_every_ci_fn_source_routing_and_plan_trains(ci_fn, source, routing, plan):
+    from pdecomp.config import ReconTermConfig
+    from pdecomp.train import init_state, make_train_step
+
+    base = RunConfig()
+    term = ReconTermConfig(plan=plan, sites_per_chunk=1, source=source, routing=routing)
+    cfg = dc.replace(base, layers=dc.replace(base.layers, ci_fn=ci_fn, ci_hidden=[8, 4],
+                                             tie=False),
+                     loss=dc.replace(base.loss, recon={"t": term}))
+    target = _tms(hidden=0)
+    state = init_state(jax.random.PRNGKey(0), cfg, target)
+    x = jax.random.uniform(jax.random.PRNGKey(1), (64, 5))
+    step = jax.jit(make_train_step(cfg))
+    new, m = step(state, target, x)
+    assert np.isfinite(float(m["loss/total"])) and float(m["loss/recon_t"]) >= 0
+    moved = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), new.ci_fn, state.ci_fn)
+    assert max(jax.tree.leaves(moved)) > 0  # the CI function receives gradient
