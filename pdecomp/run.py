@@ -144,10 +144,12 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
     steps, log_every = cfg.optim.steps, cfg.logging.log_every
     ckpt_every = cfg.logging.ckpt_every or steps
     history: list[dict[str, float]] = []
+    last: dict[str, float] = {}
     if start and (run_dir / "history.json").exists():  # keep what the first attempt logged
         history = [h for h in json.loads((run_dir / "history.json").read_text())
                    if h["step"] <= start]
-    t_log, last = time.perf_counter(), {}
+        last = dict(history[-1]) if history else {}
+    t_log = time.perf_counter()
     for i in range(start, steps):
         batch = jax.device_put(sample(jax.random.fold_in(data_key, i)), batch_sharding)
         state, m = compiled(state, target, batch)
