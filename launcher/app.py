@@ -20,16 +20,14 @@ from hydra.errors import OverrideParseException
 from omegaconf import DictConfig
 
 from launcher.registry import register, to_run_config
-from pdecomp.config import ConfigError, validate
+from pdecomp.config import EXIT_BAD_CONFIG, ConfigError, validate
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-EXIT_BAD_CONFIG = 2
 MAX_CHECKED_COMBOS = 512
 
 # Hydra flags that take a value, and flags after which nothing is composed or run.
 _FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp",
-                     "--config-name", "-cn", "--config-dir", "-cd", "--info", "-i",
-                     "--experimental-rerun"}
+                     "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun"}
 _INFO_FLAGS = {"--help", "-h", "--hydra-help", "--info", "-i", "--version",
                "--shell-completion", "-sc"}
 
@@ -82,8 +80,8 @@ def _one_line(e: Exception) -> str:
     return head + "; ".join(parts)
 
 
-def check_overrides(overrides: list[str]) -> int:
-    """Compose and validate every combination of sweep values; return how many were checked."""
+def check_overrides(overrides: list[str]) -> None:
+    """Compose and validate every combination of sweep values (the first MAX_CHECKED_COMBOS)."""
     parser, parsed = OverridesParser.create(), []
     for line in overrides:  # one at a time, so a syntax error can name its key
         try:
@@ -102,14 +100,11 @@ def check_overrides(overrides: list[str]) -> int:
             choices.append([f"{key}={v}" for v in o.sweep_string_iterator()])
         else:
             choices.append([o.input_line])
-    n = 0
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         for combo in itertools.islice(itertools.product(*choices), MAX_CHECKED_COMBOS):
             validate(to_run_config(compose(config_name="config", overrides=list(combo))))
-            n += 1
     GlobalHydra.instance().clear()
-    return n
 
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")

@@ -17,7 +17,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from launcher.registry import to_run_config
-from pdecomp.config import RunConfig
+from pdecomp.config import EXIT_BAD_CONFIG, ConfigError, RunConfig
 
 console = Console(stderr=True)
 
@@ -66,20 +66,20 @@ class WandbLogger:
 
 
 def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
-    from pdecomp.run import GateRefused, Hooks, decompose
+    from pdecomp.run import EXIT_GATE_REFUSED, GateRefused, Hooks, decompose
 
     # orbax (through absl) and jax log routine events at INFO; keep the console for results.
     for name in ("absl", "jax"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
-    cfg = to_run_config(dict_cfg)
+    resolved = OmegaConf.to_container(dict_cfg, resolve=True)
+    cfg = to_run_config(resolved)
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     multirun = hc.mode == RunMode.MULTIRUN
     rank0 = _rank() == 0
-    resolved = OmegaConf.to_container(dict_cfg, resolve=True)
     if rank0:
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(dict_cfg, resolve=True))
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
 
     wb = WandbLogger(cfg, run_dir, resolved) if (cfg.logging.wandb and rank0) else None
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
@@ -107,10 +107,15 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
     except GateRefused as e:
         console.print(f"[red]{e}[/red]  (report: {run_dir / 'gate.json'})")
         if wb:
-            wb.finish(exit_code=3)
+            wb.finish(exit_code=EXIT_GATE_REFUSED)
         if multirun:
             return {"refused": True, "gate": e.report}
-        sys.exit(3)
+        sys.exit(EXIT_GATE_REFUSED)
+    except ConfigError as e:  # only checkable where the job's devices are known (mesh.data)
+        print(e, file=sys.stderr)
+        if wb:
+            wb.finish(exit_code=EXIT_BAD_CONFIG)
+        sys.exit(EXIT_BAD_CONFIG)
     if wb:
         for k, v in summary.items():
             wb.summary(k, v)

@@ -67,8 +67,8 @@ def register() -> None:
     ConfigStore.instance().store(name="run_schema", node=mutable_twin(RunConfig))
 
 
-def to_run_config(cfg: DictConfig) -> RunConfig:
-    data = OmegaConf.to_container(cfg, resolve=True)
+def to_run_config(cfg: DictConfig | dict[str, Any]) -> RunConfig:
+    """The frozen RunConfig of a composed config (or of its resolved plain-dict form)."""
+    data = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
     assert isinstance(data, dict)
-    data.pop("hydra", None)
-    return from_dict(RunConfig, data)
+    return from_dict(RunConfig, {k: v for k, v in data.items() if k != "hydra"})

@@ -94,7 +94,6 @@ class ComponentwiseMLP(eqx.Module):
             h = _per_component_dense(jax.nn.gelu(h) if i else h, w.astype(h.dtype)) + b
         return h[..., 0].astype(jnp.float32)
 
-
     def _block_diagonal(self, x: Array, V: Array) -> Array:
         """The same one-hidden-layer MLPs as two dense matmuls with block-diagonal weights.
 

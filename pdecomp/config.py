@@ -25,6 +25,9 @@ GATE_TARGETS = ("local",)
 DTYPES = ("float32", "bfloat16")
 
 
+EXIT_BAD_CONFIG = 2  # the exit code of a run refused for its config
+
+
 class ConfigError(ValueError):
     """A bad value in the run config. `str()` is the one-line message shown to the user."""
 

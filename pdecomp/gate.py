@@ -7,6 +7,7 @@ Peak per device = temp + argument + output − alias (docs/MEMORY_GATE.md).
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -58,7 +59,7 @@ def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, 
     alias = int(ma.alias_size_in_bytes)
     peak = temp + arg + out - alias
     report = {
-        "target": target, "mesh": mesh, "n_devices": _mesh_size(mesh),
+        "target": target, "mesh": mesh, "n_devices": math.prod(mesh.values()),
         "argument_bytes": arg, "output_bytes": out, "temp_bytes": temp, "alias_bytes": alias,
         "host_temp_bytes": int(getattr(ma, "host_temp_size_in_bytes", 0) or 0),
         "peak_bytes": peak,
@@ -68,13 +69,6 @@ def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, 
         "argument_parts_bytes": parts or {},
     }
     return compiled, report
-
-
-def _mesh_size(mesh: dict[str, int]) -> int:
-    n = 1
-    for v in mesh.values():
-        n *= v
-    return n
 
 
 def tree_bytes(tree: Any, n_shards: int = 1) -> int:

@@ -10,7 +10,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,6 @@ class Hooks:
     on_metrics: Callable[[int, dict[str, float]], None] | None = None
     on_gate: Callable[[dict[str, Any]], None] | None = None
     progress: Callable[[int, int, dict[str, float]], None] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def make_mesh(cfg: RunConfig) -> Mesh:
@@ -86,12 +85,14 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
 
     # The target: cached by its settings, trained and checked the first time.
     target, target_meta = targets.load_or_train_target(cfg.model, log=hooks.log)
-    sample = jax.jit(lambda k: targets.sample_inputs(k, cfg.model, cfg.data.batch_size))
 
     # Mesh and shardings: state and target replicated, the batch split on the data axis.
     mesh = make_mesh(cfg)
     replicated, batch_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     target = jax.device_put(target, replicated)
+    # Each step's batch is sampled on the devices, already split on the data axis.
+    sample = jax.jit(lambda k: targets.sample_inputs(k, cfg.model, cfg.data.batch_size),
+                     out_shardings=batch_sharding)
     init_key, data_key = jax.random.split(jax.random.PRNGKey(cfg.seed))
 
     # Abstract state: shapes and shardings, nothing allocated.
@@ -151,7 +152,7 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
         last = dict(history[-1]) if history else {}
     t_log = time.perf_counter()
     for i in range(start, steps):
-        batch = jax.device_put(sample(jax.random.fold_in(data_key, i)), batch_sharding)
+        batch = sample(jax.random.fold_in(data_key, i))
         state, m = compiled(state, target, batch)
         if sync_each:
             jax.block_until_ready(m)

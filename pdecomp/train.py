@@ -126,12 +126,12 @@ def faithfulness_warmup(cfg: RunConfig, components: Components, target) -> Compo
     if o.faith_warmup_steps == 0:
         return components
     opt = optax.adamw(o.faith_warmup_lr, weight_decay=o.faith_warmup_weight_decay)
-    tied = StepSpec.from_config(cfg).tied
+    tied = tied_sites(cfg)
     sites = set(site_C(cfg))
     weights = {s: W for s, W in target.site_weights().items() if s in sites}
 
     def faith(comps):
-        return losses.faithfulness(weights, with_tied(comps, dict(tied)))
+        return losses.faithfulness(weights, with_tied(comps, tied))
 
     @jax.jit
     def run(components):

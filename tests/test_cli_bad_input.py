@@ -6,17 +6,11 @@ that the launcher refused before Hydra made a run (or sweep) directory.
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-PDECOMP = Path(sys.executable).parent / "pdecomp"
-if not PDECOMP.exists():  # not running from the project's virtualenv
-    PDECOMP = Path(shutil.which("pdecomp") or "pdecomp")
+from conftest import PDECOMP
 
 # (id, argv after `pdecomp`, what the one-line message must contain: the offending key, or
 #  a tuple of texts that must all appear)
@@ -53,20 +47,10 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    e = dict(os.environ)
-    for var in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
-        e.pop(var, None)
-    e.update(PDECOMP_CACHE=str(tmp_path_factory.mktemp("pdecomp_cache")),
-             WANDB_MODE="offline", WANDB_SILENT="true")
-    return e
-
-
 @pytest.mark.parametrize(("argv", "key"), [pytest.param(a, k, id=i) for i, a, k in CASES])
 def test_bad_input_exits_2_with_one_line(argv: list[str], key: str | tuple[str, ...],
                                          env: dict[str, str], tmp_path: Path) -> None:
-    proc = subprocess.run([str(PDECOMP), *argv], check=False, cwd=tmp_path, env=env,
+    proc = subprocess.run([PDECOMP, *argv], check=False, cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     err = proc.stderr.strip()
     assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])

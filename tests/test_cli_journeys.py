@@ -8,26 +8,16 @@ target trains once; wandb runs offline and keeps its files inside each run direc
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from conftest import PDECOMP, console_script
 
-BIN = Path(sys.executable).parent
-
-
-def _script(name: str) -> str:
-    p = BIN / name
-    return str(p) if p.exists() else (shutil.which(name) or name)
-
-
-PDECOMP = _script("pdecomp")
-WANDB = _script("wandb")
+WANDB = console_script("wandb")
 
 # Tiny runs: a few seconds of training each on a CPU.
 TINY = ["optim.steps=40", "logging.log_every=10", "model.train_steps=500",
@@ -47,16 +37,6 @@ ALL_GROUPS = [
     "logging.wandb_project=journeys", "logging.ckpt_every=20",
 ]
 GATE_KEYS = ("peak_bytes", "argument_bytes", "temp_bytes", "cap_bytes", "fits")
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    e = dict(os.environ)
-    for var in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
-        e.pop(var, None)  # the launcher keeps wandb's files in the run dir unless these are set
-    e.update(PDECOMP_CACHE=str(tmp_path_factory.mktemp("pdecomp_cache")),
-             WANDB_MODE="offline", WANDB_SILENT="true")
-    return e
 
 
 def pdecomp(args: list[str], cwd: Path, env: dict[str, str],
@@ -286,3 +266,12 @@ def test_offline_wandb_run_reads_back(full_run) -> None:
     for step in (10, 20, 30, 40):
         assert {"loss/total", "loss/imp_min", "loss/recon_full"} <= set(rows[step]), rows[step]
     assert rows[40]["loss/total"] == pytest.approx(summary["loss/total"])
+
+
+def test_mesh_larger_than_the_jobs_devices_exits_2(tmp_path: Path, env: dict[str, str]) -> None:
+    """Only the job knows its devices: the check runs there and still ends with exit 2."""
+    proc = pdecomp([*TINY, "mesh.data=64", "logging.progress=false", "logging.wandb=false"],
+                   tmp_path, env)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("config error: mesh.data=64")
