@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 import uuid
 from pathlib import Path
@@ -38,6 +39,20 @@ def gate_table(report: dict[str, Any], title: str = "memory gate (per device)") 
     return table
 
 
+def temps_table(report: dict[str, Any]) -> Table | None:
+    """What to cut: the largest temporaries, with the operation and source line behind each."""
+    from pdecomp.gate import fmt_bytes
+
+    if not report.get("largest_temps"):
+        return None
+    table = Table(title="largest temporaries (XLA buffer assignment)")
+    for col in ("size", "shape", "operation", "source"):
+        table.add_column(col, overflow="fold")
+    for t in report["largest_temps"]:
+        table.add_row(fmt_bytes(t["bytes"]), t["shape"], t["op"], t["source"])
+    return table
+
+
 class WandbLogger:
     """Offline by default; every file stays inside the run directory; resumes its own run."""
 
@@ -65,8 +80,15 @@ class WandbLogger:
         self.run.finish(exit_code=exit_code)
 
 
+def _discard(run_dir: Path) -> None:
+    """Remove a run directory that holds only what Hydra wrote for a job that never ran."""
+    hydra_only = all(p.name == ".hydra" or p.suffix == ".log" for p in run_dir.iterdir())
+    if hydra_only:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
-    from pdecomp.run import EXIT_GATE_REFUSED, GateRefused, Hooks, decompose
+    from pdecomp.run import EXIT_GATE_REFUSED, GateRefused, Hooks, decompose, preflight
 
     # orbax (through absl) and jax log routine events at INFO; keep the console for results.
     for name in ("absl", "jax"):
@@ -78,6 +100,13 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
     run_dir = Path(hc.runtime.output_dir)
     multirun = hc.mode == RunMode.MULTIRUN
     rank0 = _rank() == 0
+    try:  # checks that need the job's devices, before anything is written
+        preflight(cfg)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        if rank0:
+            _discard(run_dir)
+        sys.exit(EXIT_BAD_CONFIG)
     if rank0:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
 
@@ -91,6 +120,8 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
     def on_gate(report: dict[str, Any]) -> None:
         if rank0:
             console.print(gate_table(report))
+            if temps := temps_table(report):
+                console.print(temps)
         if wb:
             wb.summary("gate", report)
             wb.log(0, {"hbm/predicted_peak_gib": report["peak_bytes"] / 2**30})
@@ -111,11 +142,6 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
         if multirun:
             return {"refused": True, "gate": e.report}
         sys.exit(EXIT_GATE_REFUSED)
-    except ConfigError as e:  # only checkable where the job's devices are known (mesh.data)
-        print(e, file=sys.stderr)
-        if wb:
-            wb.finish(exit_code=EXIT_BAD_CONFIG)
-        sys.exit(EXIT_BAD_CONFIG)
     if wb:
         for k, v in summary.items():
             wb.summary(k, v)

@@ -21,7 +21,8 @@ ROUTINGS = ("all", "uniform_k")
 PLANS = ("all", "layerwise", "chunkwise")
 DISTANCES = ("mse", "kl")
 SCHEDULES = ("constant", "linear", "cosine")
-GATE_TARGETS = ("local",)
+GATE_TARGETS = ("local", "h100", "h200", "b200")  # pdecomp.hardware.GPUS
+FIT_MODES = ("none", "batch")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -135,10 +136,14 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh. `data=0` means every device the job has on the data axis."""
+    """Device mesh: one data axis. The batch is split over it; with `shard_state` (FSDP) the
+    frozen target, components, CI function and optimizer moments are split over it too."""
 
     name: str = "local"
-    data: int = 0
+    data: int = 0  # devices on the data axis; 0: every device (local) or hosts x gpus_per_host
+    hosts: int = 1  # the GPUs a run is sized for: a deviceless gate compiles for
+    gpus_per_host: int = 0  # hosts x gpus_per_host of them (0: one GPU)
+    shard_state: bool = False
 
 
 @dataclass(frozen=True)
@@ -151,8 +156,12 @@ class MemoryConfig:
 
 @dataclass(frozen=True)
 class GateConfig:
-    only: bool = False
-    target: str = "local"  # one of GATE_TARGETS
+    only: bool = False  # report and exit
+    target: str = "local"  # one of GATE_TARGETS: this job's devices, or a GPU to compile for
+    fit: str = "none"  # one of FIT_MODES: "batch" finds the largest batch under the cap
+    fit_max_batch: int = 1 << 20  # upper end of the batch search
+    top_temps: int = 8  # largest temporaries listed from XLA's buffer assignment; 0: none
+    calibrate_after: int = 10  # steps before the measured peak is read (where reported)
 
 
 @dataclass(frozen=True)
@@ -283,21 +292,41 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
 
     _positive("data.batch_size", cfg.data.batch_size)
     _positive("data.eval_batches", cfg.data.eval_batches)
-    _positive("mesh.data", cfg.mesh.data, zero_ok=True)
-    if n_devices is not None and cfg.mesh.data:
-        data = cfg.mesh.data
-        if data > n_devices:
-            raise ConfigError("mesh.data", cfg.mesh.data, f"the job has {n_devices} device(s)")
-        if cfg.data.batch_size % data:
+    _choice("gate.target", cfg.gate.target, GATE_TARGETS)
+    me = cfg.mesh
+    _positive("mesh.data", me.data, zero_ok=True)
+    _positive("mesh.hosts", me.hosts)
+    _positive("mesh.gpus_per_host", me.gpus_per_host, zero_ok=True)
+    planned = me.hosts * max(me.gpus_per_host, 1)
+    if cfg.gate.target != "local":
+        n_devices = planned  # a deviceless gate compiles for the planned GPUs
+    if me.data and cfg.gate.target != "local" and me.data != planned:
+        raise ConfigError("mesh.data", me.data, f"must be 0 or mesh.hosts x mesh.gpus_per_host "
+                          f"({planned}) for gate.target={cfg.gate.target}")
+    if n_devices is not None and me.gpus_per_host and planned > n_devices:
+        raise ConfigError("mesh.gpus_per_host", me.gpus_per_host,
+                          f"mesh.hosts x mesh.gpus_per_host = {planned} devices; the job has "
+                          f"{n_devices}")
+    if n_devices is not None and me.data:
+        if me.data > n_devices:
+            raise ConfigError("mesh.data", me.data, f"the job has {n_devices} device(s)")
+        if cfg.data.batch_size % me.data:
             raise ConfigError("data.batch_size", cfg.data.batch_size,
-                              f"must be divisible by the data axis size {data}")
+                              f"must be divisible by the data axis size {me.data}")
+    if cfg.gate.target != "local" and cfg.data.batch_size % planned:
+        raise ConfigError("data.batch_size", cfg.data.batch_size,
+                          f"must be divisible by the {planned} {cfg.gate.target} GPUs of the mesh")
 
     mem = cfg.memory
     _positive("memory.hbm_cap_gib", mem.hbm_cap_gib, zero_ok=True)
     if not 0.0 < mem.safety_fraction <= 1.0:
         raise ConfigError("memory.safety_fraction", mem.safety_fraction, "must be in (0, 1]")
     _choice("memory.compute_dtype", mem.compute_dtype, DTYPES)
-    _choice("gate.target", cfg.gate.target, GATE_TARGETS)
+    g = cfg.gate
+    _choice("gate.fit", g.fit, FIT_MODES)
+    _positive("gate.fit_max_batch", g.fit_max_batch)
+    _positive("gate.top_temps", g.top_temps, zero_ok=True)
+    _positive("gate.calibrate_after", g.calibrate_after)
     _positive("logging.log_every", cfg.logging.log_every)
     _positive("logging.ckpt_every", cfg.logging.ckpt_every, zero_ok=True)
 

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -46,12 +49,22 @@ def device_cap_bytes(device: jax.Device, hbm_cap_gib: float, safety_fraction: fl
 
 
 def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, ...] = (),
-                       cap_bytes: int, cap_source: str, target: str, mesh: dict[str, int],
-                       parts: dict[str, int] | None = None) -> tuple[Any, dict[str, Any]]:
-    """Lower and compile `fn` on abstract `args`; return the executable and the gate report."""
-    t0 = time.perf_counter()
-    compiled = jax.jit(fn, donate_argnums=donate_argnums).lower(*abstract(args)).compile()
-    compile_s = time.perf_counter() - t0
+                       out_shardings: Any = None, cap_bytes: int, cap_source: str, target: str,
+                       mesh: dict[str, int], parts: dict[str, int] | None = None,
+                       top_temps: int = 0) -> tuple[Any, dict[str, Any]]:
+    """Lower and compile `fn` on abstract `args`; return the executable and the gate report.
+
+    `out_shardings` pins the state's layout to its input layout, so the executable can be fed
+    its own output step after step. With `top_temps`, XLA dumps its buffer assignment while
+    compiling (the executable is the same) and the largest temporaries go into the report.
+    """
+    jitted = jax.jit(fn, donate_argnums=donate_argnums, out_shardings=out_shardings)
+    with tempfile.TemporaryDirectory(prefix="pdecomp-gate-") as dump:
+        options = {"xla_dump_to": dump} if top_temps else None
+        t0 = time.perf_counter()
+        compiled = jitted.lower(*abstract(args)).compile(options)
+        compile_s = time.perf_counter() - t0
+        temps = largest_temps(Path(dump), top_temps) if top_temps else []
     ma = compiled.memory_analysis()
     arg = int(ma.argument_size_in_bytes)
     out = int(ma.output_size_in_bytes)
@@ -67,37 +80,166 @@ def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, 
         "cap_bytes": cap_bytes, "cap_source": cap_source, "headroom_bytes": cap_bytes - peak,
         "fits": peak <= cap_bytes, "compile_s": round(compile_s, 3),
         "argument_parts_bytes": parts or {},
+        "largest_temps": temps,
     }
     return compiled, report
 
 
-def tree_bytes(tree: Any, n_shards: int = 1) -> int:
-    """Bytes of every array leaf, per device for leaves sharded over `n_shards` devices."""
+# -- XLA's buffer assignment: which operations the temporaries belong to --------------------
+
+_ALLOCATION = re.compile(r"^allocation \d+: size (\d+), (.*):$")
+_VALUE = re.compile(r"^ value: <\d+ ([^ ]+) @[^>]*> \(size=(\d+),offset=\d+\): (.+)$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([^ ]+) = .*?metadata=\{([^}]*)\}")
+_TABLE_ROW = re.compile(r"^(\d+) (.+)$")
+
+
+def largest_temps(dump_dir: Path, n: int) -> list[dict[str, Any]]:
+    """The `n` largest values living in temporary allocations, with the operation (JAX's
+    op_name) and the innermost source line that made them, from an XLA dump directory."""
+    assignment = sorted(dump_dir.glob("*after_optimizations-buffer-assignment.txt"))
+    hlo = sorted(dump_dir.glob("*after_optimizations.txt"))
+    if not assignment or not hlo:
+        return []
+    values: dict[str, tuple[int, str]] = {}
+    in_temp = False
+    for line in assignment[-1].read_text().splitlines():
+        if m := _ALLOCATION.match(line):
+            kind = m.group(2)
+            in_temp = not any(k in kind for k in ("parameter", "output", "constant",
+                                                  "thread-local"))
+        elif in_temp and (m := _VALUE.match(line)):
+            name, size, shape = m.group(1), int(m.group(2)), m.group(3).split("{")[0]
+            if size > values.get(name, (0, ""))[0]:
+                values[name] = (size, shape)
+    metadata, locate = _hlo_metadata(hlo[-1].read_text())
+    out = []
+    for name, (size, shape) in sorted(values.items(), key=lambda kv: -kv[1][0])[:n]:
+        meta = metadata.get(name, "")
+        op = re.search(r'op_name="([^"]*)"', meta)
+        frame = re.search(r"stack_frame_id=(\d+)", meta)
+        src = re.search(r'source_file="([^"]*)" source_line=(\d+)', meta)
+        source = (f"{_short(src.group(1))}:{src.group(2)}" if src
+                  else locate(int(frame.group(1))) if frame else "")
+        out.append({"bytes": size, "shape": shape, "instruction": name,
+                    "op": op.group(1) if op else "", "source": source})
+    return out
+
+
+def _hlo_metadata(text: str) -> tuple[dict[str, str], Callable[[int], str]]:
+    """Each instruction's metadata, and a resolver from stack frame id to `file:line (fn)`."""
+    tables: dict[str, dict[int, str]] = {}
+    section = None
+    metadata: dict[str, str] = {}
+    for line in text.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            section = line
+            tables[section] = {}
+        elif section and (m := _TABLE_ROW.match(line)):
+            tables[section][int(m.group(1))] = m.group(2)
+        elif not line.strip():
+            section = None
+        elif m := _INSTRUCTION.match(line):
+            metadata[m.group(1)] = m.group(2)
+
+    def field(row: str, key: str) -> int:
+        m = re.search(rf"{key}=(\d+)", row)
+        return int(m.group(1)) if m else -1
+
+    def locate(frame_id: int) -> str:
+        frame = tables.get("StackFrames", {}).get(frame_id, "")
+        loc = tables.get("FileLocations", {}).get(field(frame, "file_location_id"), "")
+        file = tables.get("FileNames", {}).get(field(loc, "file_name_id"), "").strip('"')
+        fn = tables.get("FunctionNames", {}).get(field(loc, "function_name_id"), "").strip('"')
+        return f"{_short(file)}:{field(loc, 'line')} ({fn})" if file else ""
+
+    return metadata, locate
+
+
+def _short(path: str) -> str:
+    """A source path from the package root on (`pdecomp/ci.py`), else its last two parts."""
+    parts = Path(path).parts
+    for root in ("pdecomp", "launcher"):
+        if root in parts:
+            return "/".join(parts[len(parts) - parts[::-1].index(root) - 1:])
+    return "/".join(parts[-2:])
+
+
+def tree_bytes(tree: Any) -> int:
+    """Bytes per device of every array leaf: a sharded leaf counts its shard's shape."""
     total = 0
     for x in jax.tree.leaves(tree):
         if hasattr(x, "shape") and hasattr(x, "dtype"):
-            total += x.size * jax.numpy.dtype(x.dtype).itemsize
-    return total // n_shards
+            sharding = getattr(x, "sharding", None)
+            shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
+            total += math.prod(shape) * jax.numpy.dtype(x.dtype).itemsize
+    return total
+
+
+def fmt_bytes(b: int) -> str:
+    return f"{b / GiB:.3f} GiB" if abs(b) >= GiB else f"{b / 1024**2:.3f} MiB"
 
 
 def format_report(report: dict[str, Any]) -> list[tuple[str, str]]:
     """Rows (label, value) for a table; values in MiB/GiB as fits the size."""
-
-    def size(b: int) -> str:
-        return f"{b / GiB:.3f} GiB" if abs(b) >= GiB else f"{b / 1024**2:.3f} MiB"
-
     rows = [("target", str(report["target"])),
             ("mesh", " x ".join(f"{k}={v}" for k, v in report["mesh"].items()))]
+    if "batch_size" in report:
+        rows.append(("batch", str(report["batch_size"])))
     for k in ("argument", "output", "temp", "alias", "host_temp", "peak", "xla_peak"):
         rows.append((k + (" (temp+arg+out-alias)" if k == "peak" else ""),
-                     size(report[f"{k}_bytes"])))
+                     fmt_bytes(report[f"{k}_bytes"])))
     for k, v in report.get("argument_parts_bytes", {}).items():
-        rows.append((f"  argument: {k}", size(v)))
-    rows += [("cap", f"{size(report['cap_bytes'])} ({report['cap_source']})"),
-             ("headroom", size(report["headroom_bytes"])),
+        rows.append((f"  argument: {k}", fmt_bytes(v)))
+    rows += [("cap", f"{fmt_bytes(report['cap_bytes'])} ({report['cap_source']})"),
+             ("headroom", fmt_bytes(report["headroom_bytes"])),
              ("fits", "yes" if report["fits"] else "NO"),
              ("compile", f"{report['compile_s']:.2f} s")]
+    if "fit" in report:
+        fit = report["fit"]
+        rows.append(("fit", f"{len(fit['tried'])} batches compiled: {fit['why']}"))
     if "measured_peak_bytes" in report:
-        rows.append(("measured peak", size(report["measured_peak_bytes"])))
+        rows.append(("measured peak", fmt_bytes(report["measured_peak_bytes"])))
         rows.append(("predicted / measured", f"{report['predicted_over_measured']:.3f}"))
     return rows
+
+
+def fit_batch(compile_at: Callable[[int], tuple[Any, dict[str, Any]]], start: int, step: int,
+              max_batch: int) -> tuple[int, Any, dict[str, Any]]:
+    """The largest multiple of `step` (≤ `max_batch`) whose step fits under the cap, found by
+    compiling candidates: doubling (or halving) from `start`, then bisecting the bracket to
+    within 1/16 of the batch (each candidate is a full compile; closer is rarely worth it).
+
+    Returns the chosen batch with its executable and report; the report's `fit` entry lists
+    every candidate tried and says why the choice. If not even `step` fits, the smallest
+    candidate's report comes back (it does not fit, so the gate refuses it).
+    """
+    tried: dict[int, tuple[Any, dict[str, Any]]] = {}
+
+    def fits(b: int) -> bool:
+        if b not in tried:
+            tried[b] = compile_at(b)
+        return tried[b][1]["fits"]
+
+    b = max(step, start // step * step)
+    lo, hi = (b, None) if fits(b) else (None, b)
+    while lo is not None and hi is None and lo * 2 <= max_batch:
+        lo, hi = (lo * 2, None) if fits(lo * 2) else (lo, lo * 2)
+    while lo is None and hi > step:
+        b = max(step, hi // 2 // step * step)
+        lo, hi = (b, hi) if fits(b) else (None, b)
+    if lo is None:
+        chosen, why = hi, f"even batch {hi} (one per device) exceeds the cap"
+    else:
+        while hi is not None and hi - lo > max(step, lo // 16):
+            mid = (lo + hi) // 2 // step * step
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        chosen = lo
+        cap = fmt_bytes(tried[lo][1]["cap_bytes"])
+        why = (f"batch {lo} peaks at {fmt_bytes(tried[lo][1]['peak_bytes'])} (cap {cap}); "
+               + (f"batch {hi} needs {fmt_bytes(tried[hi][1]['peak_bytes'])}"
+                  if hi is not None else f"the search stops at gate.fit_max_batch={max_batch}"))
+    compiled, report = tried[chosen]
+    report["fit"] = {"mode": "batch", "chosen": chosen, "why": why,
+                     "tried": [{"batch_size": k, "peak_bytes": r["peak_bytes"], "fits": r["fits"]}
+                               for k, (_, r) in sorted(tried.items())]}
+    return chosen, compiled, report

@@ -6,6 +6,7 @@ through `on_metrics`. Results land in `run_dir`: gate.json, summary.json, plots,
 
 from __future__ import annotations
 
+import dataclasses as dc
 import json
 import math
 import time
@@ -22,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pdecomp import gate as gate_lib
-from pdecomp import metrics, plots, targets
+from pdecomp import hardware, metrics, plots, sharding, targets
 from pdecomp.checkpoint import Checkpointer
 from pdecomp.components import with_tied
 from pdecomp.config import RunConfig, tied_sites, validate
@@ -48,14 +49,6 @@ class Hooks:
     progress: Callable[[int, int, dict[str, float]], None] | None = None
 
 
-def make_mesh(cfg: RunConfig) -> Mesh:
-    """A 1-d data mesh: `mesh.data` devices, or the most devices that divide the batch."""
-    devices = jax.devices()
-    n = cfg.mesh.data or max(k for k in range(1, len(devices) + 1)
-                             if cfg.data.batch_size % k == 0)
-    return Mesh(np.array(devices[:n]), ("data",))
-
-
 def write_json(path: Path, obj: Any) -> None:
     """Write atomically: a reader never sees half a file."""
     tmp = path.with_name(path.name + ".tmp")
@@ -76,47 +69,91 @@ def _measured_peak(device: jax.Device) -> int | None:
     return stats.get("peak_bytes_in_use")
 
 
+def calibrate(report: dict[str, Any], mesh: Mesh) -> bool:
+    """Put the measured peak (largest over this host's devices) beside the prediction, where
+    the backend reports one (GPUs do; XLA:CPU does not)."""
+    peaks = [p for d in mesh.devices.flat if d.process_index == jax.process_index()
+             and (p := _measured_peak(d))]
+    if not peaks:
+        return False
+    report["measured_peak_bytes"] = int(max(peaks))
+    report["predicted_over_measured"] = report["peak_bytes"] / max(peaks)
+    return True
+
+
+def gate_cap(cfg: RunConfig, mesh: Mesh) -> tuple[int, str]:
+    """The per-device cap: `memory.hbm_cap_gib`, else the device's memory x safety fraction
+    (for a deviceless target, the card's memory from the hardware table)."""
+    if cfg.memory.hbm_cap_gib <= 0 and sharding.is_deviceless(cfg):
+        spec = hardware.GPUS[cfg.gate.target]
+        return (int(spec.memory_bytes * cfg.memory.safety_fraction),
+                f"{cfg.gate.target} {spec.memory_gib:.1f} GiB x {cfg.memory.safety_fraction}")
+    return gate_lib.device_cap_bytes(mesh.devices.flat[0], cfg.memory.hbm_cap_gib,
+                                     cfg.memory.safety_fraction)
+
+
+def target_name(cfg: RunConfig, mesh: Mesh) -> str:
+    device = mesh.devices.flat[0]
+    hosts = len({d.process_index for d in mesh.devices.flat})
+    where = "deviceless" if sharding.is_deviceless(cfg) else "local"
+    return f"{where} {device.device_kind} x {mesh.size} ({hosts} host{'s' * (hosts > 1)})"
+
+
+def preflight(cfg: RunConfig) -> None:
+    """The checks that need this job's devices; raises ConfigError before anything is made."""
+    validate(cfg, n_devices=None if sharding.is_deviceless(cfg) else len(jax.devices()))
+    sharding.check_target(cfg)
+
+
 def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -> dict[str, Any]:
     """Run (or resume) the decomposition described by `cfg`; return the summary dict."""
     hooks = hooks or Hooks()
+    preflight(cfg)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    validate(cfg, n_devices=len(jax.devices()))
 
-    # The target: cached by its settings, trained and checked the first time.
-    target, target_meta = targets.load_or_train_target(cfg.model, log=hooks.log)
-
-    # Mesh and shardings: state and target replicated, the batch split on the data axis.
-    mesh = make_mesh(cfg)
-    replicated, batch_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-    target = jax.device_put(target, replicated)
-    # Each step's batch is sampled on the devices, already split on the data axis.
-    sample = jax.jit(lambda k: targets.sample_inputs(k, cfg.model, cfg.data.batch_size),
-                     out_shardings=batch_sharding)
+    # Mesh and shardings: the batch split on the data axis; target and state split on it too
+    # (mesh.shard_state, FSDP) or replicated.
+    mesh = sharding.make_mesh(cfg)
+    shard = cfg.mesh.shard_state
     init_key, data_key = jax.random.split(jax.random.PRNGKey(cfg.seed))
 
-    # Abstract state: shapes and shardings, nothing allocated.
-    state_abs = jax.eval_shape(lambda k: init_state(k, cfg, target), init_key)
-    state_abs = jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated), state_abs)
-    batch_abs = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.model.n_features), jnp.float32,
-                                     sharding=batch_sharding)
+    # Abstract target and state: shapes and shardings, nothing allocated, nothing trained.
+    target_abs = sharding.place(
+        jax.eval_shape(lambda k: targets.init_target(k, cfg.model), init_key), mesh, shard)
+    state_abs = sharding.place(
+        jax.eval_shape(lambda k, t: init_state(k, cfg, t), init_key, target_abs), mesh, shard)
+    batch_sharding = NamedSharding(mesh, P(sharding.AXIS))
 
     # The gate: compile the very step training runs, read its memory, compare to the cap.
-    cap, cap_source = gate_lib.device_cap_bytes(mesh.devices.flat[0], cfg.memory.hbm_cap_gib,
-                                                cfg.memory.safety_fraction)
-    parts = {"frozen target": gate_lib.tree_bytes(target),
-             "components": gate_lib.tree_bytes(state_abs.components),
-             "ci function": gate_lib.tree_bytes(state_abs.ci_fn),
-             "optimizer moments": gate_lib.tree_bytes((state_abs.comp_opt, state_abs.ci_opt)),
-             "step and key": gate_lib.tree_bytes((state_abs.step, state_abs.key)),
-             "batch": gate_lib.tree_bytes(batch_abs, mesh.size)}
+    cap, cap_source = gate_cap(cfg, mesh)
     step_fn = make_train_step(cfg)
-    compiled, report = gate_lib.compile_and_report(
-        step_fn, (state_abs, target, batch_abs),
-        donate_argnums=(0,) if cfg.memory.donate else (),
-        cap_bytes=cap, cap_source=cap_source, target=f"local {jax.default_backend()}",
-        mesh=dict(mesh.shape), parts=parts)
+
+    def compile_at(batch_size: int):
+        batch_abs = jax.ShapeDtypeStruct((batch_size, cfg.model.n_features), jnp.float32,
+                                         sharding=batch_sharding)
+        parts = {"frozen target": gate_lib.tree_bytes(target_abs),
+                 "components": gate_lib.tree_bytes(state_abs.components),
+                 "ci function": gate_lib.tree_bytes(state_abs.ci_fn),
+                 "optimizer moments": gate_lib.tree_bytes((state_abs.comp_opt, state_abs.ci_opt)),
+                 "step and key": gate_lib.tree_bytes((state_abs.step, state_abs.key)),
+                 "batch": gate_lib.tree_bytes(batch_abs)}
+        compiled, report = gate_lib.compile_and_report(
+            step_fn, (state_abs, target_abs, batch_abs),
+            donate_argnums=(0,) if cfg.memory.donate else (),
+            out_shardings=(sharding.shardings(state_abs), NamedSharding(mesh, P())),
+            cap_bytes=cap, cap_source=cap_source, target=target_name(cfg, mesh),
+            mesh=dict(mesh.shape), parts=parts, top_temps=cfg.gate.top_temps)
+        report["batch_size"] = batch_size
+        return compiled, report
+
+    if cfg.gate.fit == "batch":
+        batch_size, compiled, report = gate_lib.fit_batch(
+            compile_at, cfg.data.batch_size, mesh.size, cfg.gate.fit_max_batch)
+        cfg = dc.replace(cfg, data=dc.replace(cfg.data, batch_size=batch_size))
+        hooks.log(f"gate.fit=batch: data.batch_size={batch_size}: {report['fit']['why']}")
+    else:
+        compiled, report = compile_at(cfg.data.batch_size)
     write_json(run_dir / "gate.json", report)
     if hooks.on_gate:
         hooks.on_gate(report)
@@ -125,6 +162,14 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
     if cfg.gate.only:
         return {"gate": report}
 
+    # The target: cached by its settings, trained and checked the first time; then put
+    # into its shardings.
+    target, target_meta = targets.load_or_train_target(cfg.model, log=hooks.log)
+    target = jax.device_put(target, sharding.shardings(target_abs))
+    # Each step's batch is sampled on the devices, already split on the data axis.
+    sample = jax.jit(lambda k: targets.sample_inputs(k, cfg.model, cfg.data.batch_size),
+                     out_shardings=batch_sharding)
+
     # State: resume from the latest complete checkpoint, or initialise fresh.
     ckpt = Checkpointer(run_dir / "checkpoints")
     start = ckpt.latest_step()
@@ -132,8 +177,10 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
         state = ckpt.restore(state_abs, start)
         hooks.log(f"resumed from checkpoint at step {start}")
     else:
-        state = jax.jit(lambda k: init_state(k, cfg, target), out_shardings=replicated)(init_key)
-        components = faithfulness_warmup(cfg, state.components, target)
+        state = jax.jit(lambda k: init_state(k, cfg, target),
+                        out_shardings=sharding.shardings(state_abs))(init_key)
+        components = jax.device_put(faithfulness_warmup(cfg, state.components, target),
+                                    sharding.shardings(state_abs.components))
         state = eqx.tree_at(lambda s: s.components, state, components)
         start = 0
 
@@ -177,6 +224,12 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
             history.append({"step": done, **last})
             if hooks.on_metrics:
                 hooks.on_metrics(done, last)
+        if done == start + cfg.gate.calibrate_after and calibrate(report, mesh):
+            write_json(run_dir / "gate.json", report)
+            if hooks.on_metrics:
+                hooks.on_metrics(done, {
+                    "hbm/measured_peak_gib": report["measured_peak_bytes"] / gate_lib.GiB,
+                    "hbm/predicted_over_measured": report["predicted_over_measured"]})
         if hooks.progress:
             hooks.progress(done, steps, last)
         if done % ckpt_every == 0 or done == steps:
@@ -190,11 +243,9 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
     summary.update({k: v for k, v in last.items() if k.startswith(("loss/", "perf/"))})
     summary["steps"] = int(state.step)
     summary["target/seed"] = target_meta.get("seed")
-    peak = _measured_peak(mesh.devices.flat[0])
-    if peak:
-        report["measured_peak_bytes"] = int(peak)
-        report["predicted_over_measured"] = report["peak_bytes"] / peak
+    if calibrate(report, mesh):  # the whole run's peak, evaluation included
         write_json(run_dir / "gate.json", report)
+        summary["hbm/predicted_over_measured"] = report["predicted_over_measured"]
     write_json(run_dir / "summary.json", summary)
     write_json(run_dir / "history.json", history)
     return summary

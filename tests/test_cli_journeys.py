@@ -275,3 +275,37 @@ def test_mesh_larger_than_the_jobs_devices_exits_2(tmp_path: Path, env: dict[str
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("config error: mesh.data=64")
+
+
+# --- deviceless GPU gate -----------------------------------------------------------------
+
+
+def test_deviceless_gate_for_64_b200s(tmp_path: Path, env: dict[str, str]) -> None:
+    """Journey 2: the memory table for 8 hosts x 8 B200s, on a machine without a GPU."""
+    run_dir = tmp_path / "b200"
+    proc = ok(pdecomp(["gate.only=true", "gate.target=b200", "mesh=fsdp64",
+                       f"hydra.run.dir={run_dir}"], tmp_path, env))
+    gate = load_json(run_dir / "gate.json")
+    assert gate["n_devices"] == 64 and gate["mesh"] == {"data": 64}
+    assert gate["target"] == "deviceless NVIDIA B200 x 64 (8 hosts)"
+    assert gate["fits"] and gate["largest_temps"]
+    for text in ("memory gate", "NVIDIA B200 x 64", "largest temporaries"):
+        assert text in proc.stderr, proc.stderr[-3000:]
+    assert "cuda" not in proc.stderr.lower().replace("nvidia", "")  # no plugin noise
+    assert not (run_dir / "checkpoints").exists()
+
+
+@pytest.mark.parametrize(("args", "key"), [
+    (["gate.target=h100"], "gate.target='h100'"),  # a GPU this job lacks: gate only
+    (["mesh=fsdp8"], "mesh.gpus_per_host=8"),  # 8 devices planned, 2 at hand
+])
+def test_job_side_config_errors_exit_2_and_leave_nothing(tmp_path: Path, env: dict[str, str],
+                                                          args: list[str], key: str) -> None:
+    run_dir = tmp_path / "run"
+    proc = pdecomp([*TINY, *args, f"hydra.run.dir={run_dir}"], tmp_path,
+                   dict(env, PDECOMP_CPU_DEVICES="2"))
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"config error: {key}"), last
+    assert not run_dir.exists()

@@ -5,11 +5,17 @@ from __future__ import annotations
 import dataclasses as dc
 import json
 import logging
+import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import jax
+import numpy as np
 import pytest
 
-from pdecomp.config import RunConfig
+from pdecomp.config import ConfigError, RunConfig
 from pdecomp.gate import tree_bytes
 from pdecomp.run import GateRefused, decompose
 
@@ -67,5 +73,102 @@ def test_training_runs_the_gated_executable_without_recompiling(tmp_path, caplog
 
 
 def test_tree_bytes_counts_per_shard():
-    x = jax.ShapeDtypeStruct((8, 4), jax.numpy.float32)
-    assert tree_bytes({"a": x}) == 128 and tree_bytes({"a": x}, 8) == 16
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    x = jax.ShapeDtypeStruct((8, 4), jax.numpy.float32, sharding=NamedSharding(mesh, P("data")))
+    assert tree_bytes({"a": x, "b": jax.ShapeDtypeStruct((3,), jax.numpy.int8)}) == 128 + 3
+
+
+# Gate-only on 1 or 8 simulated CPU devices (a fresh process: the device count is fixed at
+# start). The residual MLP's dims are all divisible by 8, so with shard_state every leaf but
+# the scalars and the PRNG key is split 8 ways.
+ARG_BYTES_SCRIPT = textwrap.dedent("""
+    import dataclasses as dc, json, sys
+    import jax
+    from pdecomp.config import RunConfig
+    from pdecomp.run import decompose
+    from pdecomp.targets import init_target
+    from pdecomp.train import init_state
+
+    base = RunConfig()
+    cfg = dc.replace(base,
+        model=dc.replace(base.model, kind="resid_mlp", name="rm", n_features=16, d_embed=64,
+                         d_hidden=32),
+        layers=dc.replace(base.layers, sites=["layers.0.mlp_in", "layers.0.mlp_out"], C=16),
+        data=dc.replace(base.data, batch_size=256),
+        mesh=dc.replace(base.mesh, shard_state=True),
+        gate=dc.replace(base.gate, only=True, top_temps=3))
+    report = decompose(cfg, sys.argv[1])["gate"]
+    key = jax.random.PRNGKey(0)
+    target = jax.eval_shape(lambda k: init_target(k, cfg.model), key)
+    state = jax.eval_shape(lambda k, t: init_state(k, cfg, t), key, target)
+    leaves = [(list(x.shape), x.dtype.itemsize) for x in jax.tree.leaves((state, target))]
+    print(json.dumps({"report": report, "leaves": leaves, "n": len(jax.devices())}))
+""")
+
+
+@pytest.mark.parametrize("n_devices", [1, 8])
+def test_argument_bytes_match_an_independent_count(tmp_path, n_devices):
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n_devices}")
+    out = subprocess.run([sys.executable, "-c", ARG_BYTES_SCRIPT, str(tmp_path)], env=env,
+                         capture_output=True, text=True, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    report, n = got["report"], got["n"]
+    assert n == n_devices and report["n_devices"] == n_devices
+    expected = 256 * 16 * 4 // n  # the batch, split on the data axis
+    for shape, itemsize in got["leaves"]:
+        size = math.prod(shape) * itemsize
+        expected += size // n if any(d % n == 0 and d >= n for d in shape) else size
+    assert report["argument_bytes"] == expected  # XLA's own figure, per device
+    assert sum(report["argument_parts_bytes"].values()) == expected
+    assert report["largest_temps"] and report["largest_temps"][0]["source"]
+
+
+@pytest.mark.parametrize(("gpu", "hosts", "per_host", "gib"),
+                         [("h100", 1, 1, 79.1), ("h200", 1, 8, 141.0), ("b200", 8, 8, 178.4)])
+def test_deviceless_gpu_targets(tmp_path, gpu, hosts, per_host, gib):
+    cfg = _cfg(tmp_path)
+    cfg = dc.replace(cfg, data=dc.replace(cfg.data, batch_size=4096),
+                     mesh=dc.replace(cfg.mesh, hosts=hosts, gpus_per_host=per_host,
+                                     shard_state=True),
+                     gate=dc.replace(cfg.gate, only=True, target=gpu, top_temps=2))
+    report = decompose(cfg, tmp_path / "run")["gate"]
+    n = hosts * per_host
+    assert report["n_devices"] == n and report["mesh"] == {"data": n}
+    assert report["target"].startswith("deviceless NVIDIA " + gpu.upper())
+    assert f"x {n} ({hosts} host" in report["target"]
+    assert abs(report["cap_bytes"] / 0.9 / 2**30 - gib) < 0.1  # the card's own memory
+    assert report["argument_parts_bytes"]["batch"] == 4096 * 5 * 4 // n
+    assert report["fits"] and report["temp_bytes"] > 0
+    assert report["peak_bytes"] == (report["temp_bytes"] + report["argument_bytes"]
+                                    + report["output_bytes"] - report["alias_bytes"])
+    assert jax.default_backend() == "cpu"  # the CUDA compile plugin did not take over
+
+
+def test_deviceless_target_without_gate_only_is_a_config_error(tmp_path):
+    cfg = _cfg(tmp_path)
+    cfg = dc.replace(cfg, gate=dc.replace(cfg.gate, target="h100"))
+    with pytest.raises(ConfigError, match="gate.target='h100'.*gate.only=true"):
+        decompose(cfg, tmp_path / "run")
+
+
+def test_fit_batch_finds_the_largest_batch_under_the_cap(tmp_path):
+    # cap set between the peaks of batch 256 and 4096: the search must land in between,
+    # and the chosen batch must fit while the next candidate up does not.
+    cfg = _cfg(tmp_path)
+    small = decompose(dc.replace(cfg, gate=dc.replace(cfg.gate, only=True)), tmp_path / "a")
+    big = decompose(dc.replace(cfg, data=dc.replace(cfg.data, batch_size=4096),
+                               gate=dc.replace(cfg.gate, only=True)), tmp_path / "b")
+    cap = (small["gate"]["peak_bytes"] + big["gate"]["peak_bytes"]) / 2
+    fit_cfg = dc.replace(cfg, memory=dc.replace(cfg.memory, hbm_cap_gib=cap / 2**30),
+                         gate=dc.replace(cfg.gate, only=True, fit="batch", top_temps=0))
+    report = decompose(fit_cfg, tmp_path / "fit")["gate"]
+    fit = report["fit"]
+    chosen = fit["chosen"]
+    assert 256 < chosen < 4096 and report["batch_size"] == chosen and report["fits"]
+    above = [t for t in fit["tried"] if t["batch_size"] > chosen]
+    assert above and not any(t["fits"] for t in above)
+    assert min(t["batch_size"] for t in above) - chosen <= max(1, chosen // 16) * 2
+    assert str(chosen) in fit["why"]

@@ -1,0 +1,145 @@
+"""GPUs a run can be gated for without having them: their figures, and a compile-only mesh.
+
+XLA:GPU plans memory from a GpuTargetConfigProto: it rematerializes toward a limit derived
+from `device_memory_size` (about 0.8 x the size), so the size must be the real card's or the
+prediction is for another program. Only the device figures matter for memory planning; the
+per-unit rate tables, which feed the cost model only, are left out.
+
+The CUDA compile plugin (jax-cuda12-plugin + jax-cuda12-pjrt at jaxlib's version) lives
+outside site-packages (`make install` puts it in `<venv>/gpu-compile`): loaded on every
+`import jax` it would log a missing-driver warning on each CPU-only run. It is loaded here,
+on demand, only when a deviceless target is asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+from jax.experimental import topologies
+from jax.sharding import Mesh
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """Published figures of one card, as XLA's GPU device description wants them."""
+
+    name: str  # the device description CUDA reports
+    compute_capability: tuple[int, int]
+    sm_count: int
+    memory_bytes: int  # what the driver reports as total memory, not the marketing figure
+    memory_bandwidth: int  # bytes/s
+    l2_bytes: int
+    clock_ghz: float
+    mem_clock_khz: int
+    shared_memory_per_sm: int = 233_472  # 228 KiB on sm_90 and sm_100
+    shared_memory_per_block_optin: int = 232_448
+    pcie_bandwidth: int = 34_359_738_368
+
+    @property
+    def memory_gib(self) -> float:
+        return self.memory_bytes / 2**30
+
+
+GPUS: dict[str, GpuSpec] = {
+    "h100": GpuSpec("NVIDIA H100 80GB HBM3", (9, 0), sm_count=132, memory_bytes=84_942_979_072,
+                    memory_bandwidth=3_352_320_000_000, l2_bytes=50 * 2**20, clock_ghz=1.98,
+                    mem_clock_khz=2_619_000),
+    "h200": GpuSpec("NVIDIA H200", (9, 0), sm_count=132, memory_bytes=151_397_597_184,
+                    memory_bandwidth=4_800_000_000_000, l2_bytes=50 * 2**20, clock_ghz=1.98,
+                    mem_clock_khz=3_201_000),
+    "b200": GpuSpec("NVIDIA B200", (10, 0), sm_count=148, memory_bytes=191_514_411_008,
+                    memory_bandwidth=7_672_320_000_000, l2_bytes=132_644_864, clock_ghz=1.965,
+                    mem_clock_khz=3_996_000, pcie_bandwidth=68_719_476_736),
+}
+
+
+def target_config(spec: GpuSpec) -> str:
+    """The text-format GpuTargetConfigProto XLA compiles against."""
+    major, minor = spec.compute_capability
+    arch = f"sm_{major}.{minor}a"
+    info = {
+        "threads_per_block_limit": 1024, "threads_per_warp": 32,
+        "shared_memory_per_block": 49_152, "shared_memory_per_core": spec.shared_memory_per_sm,
+        "threads_per_core_limit": 2048, "core_count": spec.sm_count, "fpus_per_core": 128,
+        "block_dim_limit_x": 2_147_483_647, "block_dim_limit_y": 65_535,
+        "block_dim_limit_z": 65_535, "memory_bandwidth": spec.memory_bandwidth,
+        "l2_cache_size": spec.l2_bytes, "clock_rate_ghz": spec.clock_ghz,
+        "device_memory_size": spec.memory_bytes,
+        "shared_memory_per_block_optin": spec.shared_memory_per_block_optin,
+        "registers_per_core_limit": 65_536, "registers_per_block_limit": 65_536,
+        "thread_dim_limit_x": 1024, "thread_dim_limit_y": 1024, "thread_dim_limit_z": 64,
+        "device_address_bits": 64, "pcie_bandwidth": spec.pcie_bandwidth,
+    }
+    lines = ["gpu_device_info {"]
+    lines += [f"  {k}: {v}" for k, v in info.items()]
+    lines += [
+        f"  cuda_compute_capability {{ major: {major} minor: {minor} }}",
+        '  device_vendor: "NVIDIA Corporation"',
+        f'  platform_version: "Compute Capability {major}.{minor}a"',
+        (f'  model_str: "{arch} with {spec.memory_bytes}B RAM, {spec.sm_count} cores, '
+         f'{int(spec.clock_ghz * 1e6)}KHz clock, {spec.mem_clock_khz}KHz mem clock, '
+         f'{spec.l2_bytes}B L2$"'),
+        f'  name: "{spec.name}"',
+        "}",
+        'platform_name: "CUDA"',
+        "dnn_version_info { major: 9 minor: 10 }",
+        f'device_description_str: "{spec.name}"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+class GpuCompileUnavailable(RuntimeError):
+    pass
+
+
+def plugin_dir() -> Path:
+    return Path(os.environ.get("PDECOMP_GPU_COMPILE_DIR", Path(sys.prefix) / "gpu-compile"))
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """The plugin's C++ side logs, on import, that this host has no CUDA driver: expected on a
+    compile-only host, and noise in the report."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _load_cuda_plugin() -> None:
+    path = plugin_dir()
+    if not (path / "jax_plugins").is_dir():
+        raise GpuCompileUnavailable(
+            f"deviceless GPU compile needs jax-cuda12-plugin and jax-cuda12-pjrt "
+            f"{jax.__version__} in {path} (make install puts them there)")
+    if str(path) not in sys.path:
+        sys.path.append(str(path))
+    # Without an explicit platform list the plugin checks for a CUDA runtime and gives up.
+    if not jax.config.jax_platforms:
+        jax.config.update("jax_platforms", "cpu")
+    with _quiet_stderr():
+        importlib.import_module("jax_plugins.xla_cuda12").initialize()
+
+
+def topology_mesh(gpu: str, hosts: int, gpus_per_host: int, axis: str = "data") -> Mesh:
+    """A compile-only mesh of `hosts x gpus_per_host` GPUs of kind `gpu` on one data axis."""
+    spec = GPUS[gpu]
+    kwargs = {"platform": "cuda", "target_config": target_config(spec),
+              "topology": f"1x{hosts}x{gpus_per_host}"}
+    try:
+        topo = topologies.get_topology_desc(**kwargs)
+    except (NotImplementedError, RuntimeError):
+        _load_cuda_plugin()  # not on a CUDA host: load the compile-only plugin and retry
+        topo = topologies.get_topology_desc(**kwargs)
+    return topologies.make_mesh(topo, (hosts * gpus_per_host,), (axis,))
