@@ -1,7 +1,9 @@
-"""Hydra callbacks: the one summary table a `-m` sweep ends with."""
+"""Hydra callbacks: what a `-m` sweep ends with: one summary table, its JSON and CSV, and a
+plot of each job's gate report (per-device memory against the cap)."""
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 from typing import Any
@@ -12,8 +14,16 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
+from pdecomp.plots import plot_gate_sweep
+
 # The result columns shown when present in a run's summary.json, in this order.
 RESULT_PREFIXES = ("live/", "mmcs/", "ml2r/", "one_to_one/", "loss/total")
+
+GiB = 2**30
+# gate.json sizes written to the CSV in GiB (`<name>_bytes` -> `<name>_gib`), then other fields.
+GATE_SIZES = ("argument", "output", "temp", "alias", "host_temp", "peak", "xla_peak", "cap",
+              "headroom")
+GATE_FIELDS = ("fits", "compile_s", "target", "n_devices", "batch_size")
 
 
 def collect(sweep_dir: Path) -> list[dict[str, Any]]:
@@ -32,34 +42,79 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def sweep_table(rows: list[dict[str, Any]]) -> Table:
-    # columns for the overrides whose value differs between jobs (the swept ones)
+def override_values(row: dict[str, Any]) -> dict[str, str]:
+    """A job's overrides as key -> value (`~key` deletions have an empty value)."""
+    values = {}
+    for o in row["overrides"]:
+        k, _, v = o.partition("=")
+        values[k] = v
+    return values
+
+
+def swept_keys(rows: list[dict[str, Any]]) -> list[str]:
+    """The override keys whose value differs between jobs; all of them for a one-job sweep."""
     values_of: dict[str, set[str]] = {}
     for r in rows:
-        for o in r["overrides"]:
-            k, _, v = o.partition("=")
+        for k, v in override_values(r).items():
             values_of.setdefault(k, set()).add(v)
-    swept = sorted(k for k, vs in values_of.items() if len(vs) > 1 or len(rows) == 1)
+    return sorted(k for k, vs in values_of.items() if len(vs) > 1 or len(rows) == 1)
+
+
+def result_keys(rows: list[dict[str, Any]]) -> list[str]:
+    """The summary.json keys shown as results, in the order they are first seen."""
     keys: list[str] = []
     for r in rows:
         for k in r.get("summary.json", {}):
             if k.startswith(RESULT_PREFIXES) and k not in keys:
                 keys.append(k)
+    return keys
+
+
+def job_label(row: dict[str, Any], swept: list[str]) -> str:
+    """What tells this job apart: its swept `key=value`s, one a line, else its number."""
+    values = override_values(row)
+    return "\n".join(f"{k}={values[k]}" for k in swept if k in values) or str(row["job"])
+
+
+def sweep_table(rows: list[dict[str, Any]]) -> Table:
+    swept, keys = swept_keys(rows), result_keys(rows)
     table = Table(title="sweep summary")
-    for col in ("job", *swept, "peak GiB", "fits", *keys):
+    for col in ("job", *swept, "peak GiB", "temp GiB", "arg GiB", "fits", *keys):
         table.add_column(col)
     for r in rows:
-        values = dict(o.split("=", 1) for o in r["overrides"])
+        values = override_values(r)
         gate = r.get("gate.json", {})
         summary = r.get("summary.json", {})
-        cells = [str(r["job"]), *(values.get(k, "") for k in swept),
-                 f"{gate['peak_bytes'] / 2**30:.4f}" if gate else "-",
+        sizes = [f"{gate[f'{k}_bytes'] / GiB:.4f}" if gate else "-"
+                 for k in ("peak", "temp", "argument")]
+        cells = [str(r["job"]), *(values.get(k, "") for k in swept), *sizes,
                  ("yes" if gate.get("fits") else "NO") if gate else "-"]
         for k in keys:
             v = summary.get(k)
             cells.append("-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v)))
         table.add_row(*cells)
     return table
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
+    """One row per job: swept overrides, gate report (sizes in GiB), results; blank if absent."""
+    swept, keys = swept_keys(rows), result_keys(rows)
+    fields = ["job", *swept, *(f"{k}_gib" for k in GATE_SIZES), *GATE_FIELDS, *keys]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, restval="")
+        writer.writeheader()
+        for r in rows:
+            gate, summary = r.get("gate.json", {}), r.get("summary.json", {})
+            values = override_values(r)
+            writer.writerow({
+                "job": r["job"],
+                **{k: values[k] for k in swept if k in values},
+                **{f"{k}_gib": round(gate[f"{k}_bytes"] / GiB, 4)
+                   for k in GATE_SIZES if f"{k}_bytes" in gate},
+                **{k: gate[k] for k in GATE_FIELDS if k in gate},
+                **{k: summary[k] for k in keys if k in summary},
+            })
+    return path
 
 
 class SweepSummary(Callback):
@@ -69,4 +124,15 @@ class SweepSummary(Callback):
             return
         rows = collect(sweep_dir)
         (sweep_dir / "sweep_summary.json").write_text(json.dumps(rows, indent=1))
-        Console().print(sweep_table(rows))
+        console = Console()
+        console.print(sweep_table(rows))
+        lines = [f"sweep csv: {write_csv(rows, sweep_dir / 'sweep_summary.csv')}"]
+        gated = [r for r in rows if "gate.json" in r]
+        if gated:
+            swept = swept_keys(rows)
+            png = plot_gate_sweep([job_label(r, swept) for r in gated],
+                                  [r["gate.json"] for r in gated],
+                                  sweep_dir / "sweep_memory.png")
+            lines.append(f"memory plot: {png}")
+        for line in lines:  # plain text on one line each, however long the path
+            console.print(line, soft_wrap=True, markup=False, highlight=False)

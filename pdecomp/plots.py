@@ -1,7 +1,9 @@
-"""Plots saved in the run directory: mean CI per component, and TMS directions."""
+"""Plots saved in the run directory: mean CI per component, and TMS directions; and the
+memory of a sweep's jobs, saved in the sweep directory."""
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 
 import matplotlib
@@ -72,6 +74,95 @@ def plot_history(history: list[dict[str, float]], path: Path) -> Path:
     b.set_title("L0 (components with CI > threshold, per input)", fontsize=10)
     b.legend(fontsize=7)
     fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _size(b: float) -> str:
+    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+
+
+def _draw_caps(ax: plt.Axes, x: np.ndarray, reports: list[dict], scale: float, ytop: float
+               ) -> list[str]:
+    """The cap as a dashed red line, one segment per bar when the jobs' caps differ; then
+    each job's cap is returned as a line for its tick label, where no bar can hide it. A cap
+    above the axis is only named, so that MiB-sized toy bars stay readable under a host-RAM
+    cap of many GiB."""
+    caps = np.array([r["cap_bytes"] for r in reports], float)
+    if len(set(caps)) > 1:
+        ax.hlines(caps / scale, x - 0.4, x + 0.4, colors="red", linestyles="--",
+                  label="cap (per job)")
+        return [f"cap {_size(c)}" + (" ↑" if c / scale > ytop else "") for c in caps]
+    above = caps[0] / scale > ytop
+    label = f"cap {_size(caps[0])}" + (" (above the axis)" if above else "")
+    if source := reports[0].get("cap_source"):
+        label += f"\n{source}"
+    if above:
+        ax.plot([], [], color="red", ls="--", label=label)
+    else:
+        ax.axhline(caps[0] / scale, color="red", ls="--", label=label)
+    return [""] * len(reports)
+
+
+def _job_ticks(ax: plt.Axes, x: np.ndarray, labels: list[str], notes: list[str]) -> None:
+    """Job labels under the bars, each with its note as a last line; a key every label
+    shares (one swept key) moves to the axis label, leaving the values as ticks."""
+    keys = {lab.partition("=")[0] for lab in labels}
+    if len(keys) == 1 and all("=" in lab and "\n" not in lab for lab in labels):
+        ax.set_xlabel(keys.pop())
+        labels = [lab.partition("=")[2] for lab in labels]
+    ax.set_xticks(x, [f"{lab}\n{n}" if n else lab for lab, n in zip(labels, notes)],
+                  fontsize=8)
+
+
+def _overlapping(texts: list[plt.Text]) -> bool:
+    """Whether neighbouring texts (tick labels, left to right) overlap as laid out now."""
+    texts[0].figure.canvas.draw()
+    boxes = [t.get_window_extent() for t in texts]
+    return any(a.x1 > b.x0 for a, b in pairwise(boxes))
+
+
+def plot_gate_sweep(labels: list[str], reports: list[dict], path: Path) -> Path:
+    """Per-device memory of each job of a sweep, from its gate report: argument, temp and
+    output-not-aliased stacked, so a bar's top is the gate's peak; against the cap. Jobs
+    that do not fit are hatched and outlined red."""
+    peaks = np.array([r["peak_bytes"] for r in reports], float)
+    unit, scale = ("GiB", 2**30) if peaks.max() >= 2**30 else ("MiB", 2**20)
+    # a cap more than 4x the tallest bar would flatten the bars: leave it off the axis
+    top = peaks.max() / scale
+    caps = np.array([r["cap_bytes"] for r in reports], float) / scale
+    ytop = 1.15 * max([top, *caps[caps <= 4 * top]])
+    x = np.arange(len(reports))
+    width = min(16.0, max(6.0, 1.2 * len(reports) + 3))
+    fig, ax = plt.subplots(figsize=(width, 4.5))
+    segments = (("argument", [r["argument_bytes"] for r in reports]),
+                ("temp", [r["temp_bytes"] for r in reports]),
+                ("output (not aliased)", [r["output_bytes"] - r["alias_bytes"] for r in reports]))
+    bottom = np.zeros(len(reports))
+    for name, sizes in segments:
+        h = np.array(sizes, float) / scale
+        ax.bar(x, h, 0.6, bottom=bottom, label=name)
+        bottom += h
+    refused = np.array([not r["fits"] for r in reports])
+    if refused.any():
+        ax.bar(x[refused], peaks[refused] / scale, 0.6, fill=False, edgecolor="red", hatch="//",
+               linewidth=1.5, label="does not fit")
+    for xi, p in zip(x, peaks):
+        ax.text(xi, p / scale, f"{p / scale:.3g}", ha="center", va="bottom", fontsize=8)
+    notes = _draw_caps(ax, x, reports, scale, ytop)
+    ax.set_ylim(0, ytop)
+    ax.set_ylabel(f"per-device memory ({unit})")
+    _job_ticks(ax, x, labels, notes)
+    targets = ", ".join(sorted({str(r["target"]) for r in reports}))
+    counts = sorted({r["n_devices"] for r in reports})
+    devices = "/".join(map(str, counts)) + (" device" if counts == [1] else " devices")
+    ax.set_title(f"gate: peak memory per device, {targets}, {devices}", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.tight_layout()
+    if _overlapping(ax.get_xticklabels()):
+        plt.setp(ax.get_xticklabels(), rotation=30, ha="right", rotation_mode="anchor")
+        fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

@@ -62,3 +62,43 @@ def test_imp_min_and_train_steps_match_on_1_and_8_devices():
     for a, b in zip(one["history"], eight["history"]):
         for k in a:
             np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-9, err_msg=k)
+
+
+FSDP_SCRIPT = textwrap.dedent("""
+    import json, sys, dataclasses as dc
+    import jax
+    from pdecomp.config import RunConfig
+    from pdecomp.run import decompose
+
+    base = RunConfig()
+    out = {}
+    for shard in (False, True):
+        cfg = dc.replace(base,
+            model=dc.replace(base.model, kind="resid_mlp", name="rm", n_features=16,
+                             d_embed=64, d_hidden=32, train_steps=200, cache_dir=sys.argv[1]),
+            layers=dc.replace(base.layers, sites=["layers.0.mlp_in", "layers.0.mlp_out"], C=16),
+            optim=dc.replace(base.optim, steps=6, faith_warmup_steps=5),
+            data=dc.replace(base.data, batch_size=256, eval_batches=1),
+            mesh=dc.replace(base.mesh, shard_state=shard),
+            gate=dc.replace(base.gate, top_temps=0),
+            logging=dc.replace(base.logging, log_every=1, plots=False))
+        decompose(cfg, f"{sys.argv[1]}/run-{shard}")
+        out[str(shard)] = json.load(open(f"{sys.argv[1]}/run-{shard}/history.json"))
+    print(json.dumps(out))
+""")
+
+
+def test_fsdp_state_sharding_keeps_the_numbers(tmp_path):
+    """Sharding target, components and optimizer moments over 8 devices (mesh.shard_state)
+    changes where the bytes live, not the loss trajectory."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "JAX_PLATFORMS": "cpu"}
+    res = subprocess.run([sys.executable, "-c", FSDP_SCRIPT, str(tmp_path)], env=env,
+                         capture_output=True, text=True, check=False, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    replicated, sharded = out["False"], out["True"]
+    assert len(replicated) == len(sharded) == 6
+    for a, b in zip(replicated, sharded):
+        for k in ("loss/total", "loss/imp_min", "loss/recon_full"):
+            np.testing.assert_allclose(b[k], a[k], rtol=1e-5, err_msg=k)
