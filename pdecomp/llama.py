@@ -1,0 +1,348 @@
+"""A Llama-family target in Equinox, loaded from a Hugging Face directory.
+
+GQA attention, RoPE (with Llama-3's "llama3" frequency scaling), RMSNorm, SwiGLU MLP, tied
+or untied embeddings. Per-layer weights are stacked on a leading layer axis so layers that
+hold no decomposed site run under one `lax.scan`; layers that hold a site run unrolled and
+route each matmul through the caller's `linear(site, x, W)` with HF-style site names
+(`layers.18.mlp.gate_proj`, `layers.3.self_attn.q_proj`, ...). Weights are [d_in, d_out].
+
+Numerics follow transformers' LlamaForCausalLM: RMSNorm in fp32 and cast back before its
+weight; softmax in fp32; query head h reads kv head h // (n_heads / n_kv_heads); RoPE
+rotates the two halves of each head (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from pdecomp.components import LinearFn, frozen_linear
+
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that is missing, incomplete, or does not match its config."""
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The fields of a HF `config.json` the model needs (others are ignored)."""
+
+    vocab_size: int = 128
+    hidden_size: int = 64
+    intermediate_size: int = 160
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 4
+    head_dim: int = 0  # 0: hidden_size / num_attention_heads
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10_000.0
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+
+    @property
+    def d_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @staticmethod
+    def from_hf(data: dict[str, Any]) -> LlamaConfig:
+        """Both layouts of the RoPE settings: top-level `rope_theta` + `rope_scaling` (the
+        Hub's Llama-3 checkpoints) and `rope_parameters` (what transformers 5 writes)."""
+        names = {f.name for f in fields(LlamaConfig)}
+        kwargs = {k: v for k, v in data.items() if k in names and v is not None}
+        rope = data.get("rope_parameters")
+        if rope:
+            kwargs["rope_theta"] = rope.get("rope_theta", kwargs.get("rope_theta", 10_000.0))
+            if rope.get("rope_type", "default") != "default":
+                kwargs["rope_scaling"] = rope
+        return LlamaConfig(**kwargs)
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
+    """Per-pair rotation frequencies, with Llama-3 scaling: long wavelengths slowed by
+    `factor`, short ones kept, the band between interpolated smoothly."""
+    d = cfg.d_head
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    rs = cfg.rope_scaling or {}
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "default":
+        return inv_freq.astype(np.float32)
+    if kind != "llama3":
+        raise CheckpointError(f"rope_scaling type {kind!r} is not supported; allowed: llama3")
+    factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old = rs["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > old / lo, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rms_norm(x: Array, weight: Array, eps: float) -> Array:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def apply_rope(x: Float[Array, "*b t h d"], cos: Array, sin: Array) -> Array:
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return x * cos + rotated * sin
+
+
+class Llama(eqx.Module):
+    """Weights stacked over layers: `attn[name]` is [L, d_in, d_out] for each of ATTN, etc."""
+
+    embed: Float[Array, "vocab d"]
+    attn_norm: Float[Array, "L d"]
+    attn: dict[str, Array]
+    mlp_norm: Float[Array, "L d"]
+    mlp: dict[str, Array]
+    final_norm: Float[Array, " d"]
+    lm_head: Float[Array, "d vocab"] | None
+    cfg: LlamaConfig = eqx.field(static=True)
+
+    @property
+    def n_layers(self) -> int:
+        return self.attn_norm.shape[0]
+
+    def site_weights(self) -> dict[str, Array]:
+        out = {}
+        for i in range(self.n_layers):
+            out |= {f"layers.{i}.self_attn.{n}": self.attn[n][i] for n in ATTN}
+            out |= {f"layers.{i}.mlp.{n}": self.mlp[n][i] for n in MLP}
+        return out
+
+    def layer(self, i: int | Array) -> dict[str, Array]:
+        return {"attn_norm": self.attn_norm[i], "mlp_norm": self.mlp_norm[i],
+                **{n: self.attn[n][i] for n in ATTN}, **{n: self.mlp[n][i] for n in MLP}}
+
+    def rope(self, t: int) -> tuple[Array, Array]:
+        freqs = np.arange(t, dtype=np.float32)[:, None] * rope_inv_freq(self.cfg)[None]
+        emb = np.concatenate([freqs, freqs], axis=-1)[:, None, :]  # [t, 1 (heads), d_head]
+        return jnp.asarray(np.cos(emb)), jnp.asarray(np.sin(emb))
+
+    def block(self, h: Float[Array, "b t d"], w: dict[str, Array], rope: tuple[Array, Array],
+              linear: Callable[[str, Array, Array], Array]) -> Array:
+        """One decoder layer; `linear(name, x, W)` with name one of ATTN + MLP."""
+        cfg, (cos, sin) = self.cfg, rope
+        b, t, _ = h.shape
+        n_h, n_kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.d_head
+        x = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
+        q = apply_rope(linear("q_proj", x, w["q_proj"]).reshape(b, t, n_h, d), cos, sin)
+        k = apply_rope(linear("k_proj", x, w["k_proj"]).reshape(b, t, n_kv, d), cos, sin)
+        v = linear("v_proj", x, w["v_proj"]).reshape(b, t, n_kv, d)
+        # grouped heads: query head h = g * rep + r reads kv head g
+        q = q.reshape(b, t, n_kv, n_h // n_kv, d)
+        scores = jnp.einsum("bqgrd,bkgd->bgrqk", q, k) / math.sqrt(d)
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        scores = jnp.where(causal, scores.astype(jnp.float32), -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        ctx = jnp.einsum("bgrqk,bkgd->bqgrd", probs, v).reshape(b, t, n_h * d)
+        h = h + linear("o_proj", ctx, w["o_proj"])
+        x = rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
+        gated = jax.nn.silu(linear("gate_proj", x, w["gate_proj"])) * linear("up_proj", x,
+                                                                              w["up_proj"])
+        return h + linear("down_proj", gated, w["down_proj"])
+
+    def embed_tokens(self, tokens: Int[Array, "b t"]) -> Array:
+        return self.embed[tokens]
+
+    def run_layers(self, h: Array, start: int, stop: int, linear: LinearFn = frozen_linear,
+                   hooked: Sequence[int] = ()) -> Array:
+        """Layers [start, stop): those in `hooked` unrolled with named sites, runs of the
+        others under one scan each (compile time flat in depth)."""
+        rope = self.rope(h.shape[1])
+        i = start
+        while i < stop:
+            if i in hooked:
+                def site_linear(name, x, W, i=i):
+                    part = "self_attn" if name in ATTN else "mlp"
+                    return linear(f"layers.{i}.{part}.{name}", x, W)
+
+                h = self.block(h, self.layer(i), rope, site_linear)
+                i += 1
+                continue
+            j = i
+            while j < stop and j not in hooked:
+                j += 1
+            stacked = jax.tree.map(lambda a, i=i, j=j: a[i:j], self.layer(slice(None)))
+
+            def body(carry, w):
+                return self.block(carry, w, rope, lambda _, x, W: frozen_linear("", x, W)), None
+
+            h, _ = jax.lax.scan(body, h, stacked)
+            i = j
+        return h
+
+    def logits(self, h: Array) -> Float[Array, "b t vocab"]:
+        h = rms_norm(h, self.final_norm, self.cfg.rms_norm_eps)
+        head = self.embed.T if self.lm_head is None else self.lm_head
+        return h @ head.astype(h.dtype)
+
+    def __call__(self, tokens: Int[Array, "b t"], linear: LinearFn = frozen_linear,
+                 hooked: Sequence[int] = ()) -> Array:
+        h = self.run_layers(self.embed_tokens(tokens), 0, self.n_layers, linear, hooked)
+        return self.logits(h)
+
+
+# -- Hugging Face checkpoints ---------------------------------------------------------------
+
+
+def _hf_names(i: int) -> dict[str, str]:
+    p = f"model.layers.{i}."
+    return {"attn_norm": p + "input_layernorm.weight",
+            "mlp_norm": p + "post_attention_layernorm.weight",
+            **{n: f"{p}self_attn.{n}.weight" for n in ATTN},
+            **{n: f"{p}mlp.{n}.weight" for n in MLP}}
+
+
+def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape (HF stores linear weights as [d_out, d_in])."""
+    d, inter, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_attention_heads * cfg.d_head, cfg.num_key_value_heads * cfg.d_head
+    per_layer = {"attn_norm": (d,), "mlp_norm": (d,), "q_proj": (q, d), "k_proj": (kv, d),
+                 "v_proj": (kv, d), "o_proj": (d, q), "gate_proj": (inter, d),
+                 "up_proj": (inter, d), "down_proj": (d, inter)}
+    out = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (v, d)
+    for i in range(cfg.num_hidden_layers):
+        out |= {hf: per_layer[k] for k, hf in _hf_names(i).items()}
+    return out
+
+
+class _Tensors:
+    """Lazy access to the tensors of a single-file or sharded safetensors checkpoint."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        elif (path / "model.safetensors").exists():
+            files, weight_map = ["model.safetensors"], None
+        else:
+            raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
+        self.handles = {}
+        for f in files:
+            if not (path / f).exists():
+                raise CheckpointError(f"{path}: shard {f} named in the index is missing")
+            self.handles[f] = safe_open(str(path / f), framework="np")
+        only = self.handles[files[0]]
+        self.where = weight_map or {k: files[0] for k in only.keys()}  # noqa: SIM118 - not a dict
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.handles[self.where[name]].get_slice(name).get_shape())
+
+    def get(self, name: str) -> np.ndarray:
+        return self.handles[self.where[name]].get_tensor(name)
+
+
+def load_config(path: str | Path) -> LlamaConfig:
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path}: no config.json (expected a Hugging Face model directory)")
+    return LlamaConfig.from_hf(json.loads((path / "config.json").read_text()))
+
+
+def load_hf(path: str | Path, dtype: Any = jnp.float32,
+            shardings: Llama | None = None) -> Llama:
+    """The Llama in `path` (config.json + safetensors), each array built in its sharding
+    from this host's own reads of the files (no cross-host gather of a full copy)."""
+    path = Path(path)
+    cfg = load_config(path)
+    tensors = _Tensors(path)
+    for name, shape in expected_shapes(cfg).items():
+        if name not in tensors.where:
+            raise CheckpointError(f"{path}: tensor {name} missing (config.json: "
+                                  f"{cfg.num_hidden_layers} layers, tied="
+                                  f"{cfg.tie_word_embeddings})")
+        if tensors.shape(name) != shape:
+            raise CheckpointError(f"{path}: tensor {name} has shape {tensors.shape(name)}; "
+                                  f"config.json implies {shape}")
+
+    L = cfg.num_hidden_layers
+
+    def stacked(key: str, transpose: bool) -> Callable[[tuple], np.ndarray]:
+        def read(index: tuple) -> np.ndarray:
+            layers = range(L)[index[0]] if index else range(L)
+            rest = index[1:] if index else ()
+            out = []
+            for i in layers:
+                w = tensors.get(_hf_names(i)[key])
+                out.append((w.T if transpose else w)[rest])
+            return np.stack(out).astype(dtype)
+        return read
+
+    def single(name: str, transpose: bool) -> Callable[[tuple], np.ndarray]:
+        def read(index: tuple) -> np.ndarray:
+            w = tensors.get(name)
+            return (w.T if transpose else w)[index].astype(dtype)
+        return read
+
+    readers: dict[str, Any] = {
+        "embed": single("model.embed_tokens.weight", False),
+        "attn_norm": stacked("attn_norm", False),
+        "attn": {n: stacked(n, True) for n in ATTN},
+        "mlp_norm": stacked("mlp_norm", False),
+        "mlp": {n: stacked(n, True) for n in MLP},
+        "final_norm": single("model.norm.weight", False),
+        "lm_head": None if cfg.tie_word_embeddings else single("lm_head.weight", True),
+    }
+    abstract = jax.eval_shape(lambda: init_llama(jax.random.PRNGKey(0), cfg, dtype))
+    return _materialize(abstract, readers, shardings)
+
+
+def _materialize(abstract: Llama, readers: dict[str, Any], shardings: Llama | None) -> Llama:
+    def build(x: jax.ShapeDtypeStruct, read: Callable, sharding: Any) -> Array:
+        if sharding is None:
+            return jnp.asarray(read((slice(None),) * len(x.shape)))
+        return jax.make_array_from_callback(x.shape, sharding, read)
+
+    values = {}
+    for name in ("embed", "attn_norm", "attn", "mlp_norm", "mlp", "final_norm", "lm_head"):
+        a, r = getattr(abstract, name), readers[name]
+        s = getattr(shardings, name) if shardings is not None else None
+        if a is None:
+            values[name] = None
+        elif isinstance(a, dict):
+            values[name] = {k: build(a[k], r[k], s[k] if s else None) for k in a}
+        else:
+            values[name] = build(a, r, s)
+    return Llama(**values, cfg=abstract.cfg)
+
+
+def init_llama(key: Array, cfg: LlamaConfig, dtype: Any = jnp.float32) -> Llama:
+    """Random weights of the right shapes (the gate's abstract target; tests)."""
+    L, d, inter, v = (cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size,
+                      cfg.vocab_size)
+    q, kv = cfg.num_attention_heads * cfg.d_head, cfg.num_key_value_heads * cfg.d_head
+    shapes = {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
+              "gate_proj": (d, inter), "up_proj": (d, inter), "down_proj": (inter, d)}
+    keys = iter(jax.random.split(key, 16))
+
+    def normal(shape):
+        return (0.02 * jax.random.normal(next(keys), shape)).astype(dtype)
+
+    return Llama(
+        embed=normal((v, d)), attn_norm=jnp.ones((L, d), dtype),
+        attn={n: normal((L, *shapes[n])) for n in ATTN}, mlp_norm=jnp.ones((L, d), dtype),
+        mlp={n: normal((L, *shapes[n])) for n in MLP}, final_norm=jnp.ones((d,), dtype),
+        lm_head=None if cfg.tie_word_embeddings else normal((d, v)), cfg=cfg)

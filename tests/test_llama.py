@@ -1,0 +1,97 @@
+"""The Llama target against transformers' LlamaForCausalLM (committed fixtures, no torch)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pdecomp.components import frozen_linear
+from pdecomp.llama import CheckpointError, init_llama, load_config, load_hf
+
+FIXTURES = Path(__file__).parent / "fixtures" / "llama"
+CHECKPOINTS = ["gqa_llama3", "tied_sharded"]
+
+
+def _rel_err(a, b) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_logits_match_transformers(name):
+    path = FIXTURES / name
+    model = load_hf(path)
+    tokens = np.load(path / "tokens.npy")
+    logits = np.asarray(jax.jit(lambda m, t: m(t))(model, tokens))
+    assert _rel_err(logits, np.load(path / "logits.npy")) <= 1e-5
+    h = model.run_layers(model.embed_tokens(tokens), 0, 1)
+    assert _rel_err(np.asarray(h), np.load(path / "hidden_after_layer0.npy")) <= 1e-5
+
+
+def test_fixtures_cover_gqa_llama3_scaling_ties_and_shards():
+    gqa, tied = load_config(FIXTURES / "gqa_llama3"), load_config(FIXTURES / "tied_sharded")
+    assert gqa.num_key_value_heads < gqa.num_attention_heads
+    assert gqa.rope_scaling["rope_type"] == "llama3" and not gqa.tie_word_embeddings
+    assert tied.tie_word_embeddings and load_hf(FIXTURES / "tied_sharded").lm_head is None
+    assert len(list((FIXTURES / "tied_sharded").glob("model-*.safetensors"))) > 1
+
+
+def test_hooked_layers_route_sites_and_keep_the_logits():
+    """Unrolled layers call linear(site, ...) with HF names; scanned ones do not; the numbers
+    are the same either way."""
+    model = load_hf(FIXTURES / "gqa_llama3")
+    tokens = np.load(FIXTURES / "gqa_llama3" / "tokens.npy")
+    seen: list[str] = []
+
+    def linear(site, x, W):
+        seen.append(site)
+        return frozen_linear(site, x, W)
+
+    logits = model(tokens, linear, hooked=(1,))
+    assert sorted(seen) == sorted(f"layers.1.{p}" for p in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
+    np.testing.assert_allclose(logits, model(tokens), rtol=1e-5, atol=1e-6)
+    assert set(model.site_weights()) >= set(seen)
+
+
+def test_loads_into_shardings_from_each_hosts_own_copy():
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    abstract = jax.eval_shape(lambda: init_llama(jax.random.PRNGKey(0),
+                                                 load_config(FIXTURES / "gqa_llama3")))
+    shardings = jax.tree.map(lambda _: NamedSharding(mesh, P()), abstract)
+    model = load_hf(FIXTURES / "gqa_llama3", shardings=shardings)
+    assert model.mlp["up_proj"].sharding == NamedSharding(mesh, P())
+    reference = load_hf(FIXTURES / "gqa_llama3")
+    np.testing.assert_array_equal(model.mlp["up_proj"], reference.mlp["up_proj"])
+
+
+def test_bf16_storage():
+    model = load_hf(FIXTURES / "gqa_llama3", dtype=jnp.bfloat16)
+    assert model.attn["q_proj"].dtype == jnp.bfloat16
+
+
+def test_bad_checkpoints_are_clear_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_hf(tmp_path / "nowhere")
+    bad = tmp_path / "bad"
+    shutil.copytree(FIXTURES / "gqa_llama3", bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 128}))
+    with pytest.raises(CheckpointError, match=r"gate_proj.weight has shape \(160, 64\)"):
+        load_hf(bad)
+    (bad / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 4}))
+    with pytest.raises(CheckpointError, match="model.layers.3.* missing"):
+        load_hf(bad)
+    sharded = tmp_path / "sharded"
+    shutil.copytree(FIXTURES / "tied_sharded", sharded)
+    next(sharded.glob("model-00002-*.safetensors")).unlink()
+    with pytest.raises(CheckpointError, match="shard model-00002.* missing"):
+        load_hf(sharded)
