@@ -114,7 +114,7 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
                         TextColumn("{task.completed}/{task.total}"), TextColumn("{task.fields[info]}"),
                         TimeElapsedColumn(), TimeRemainingColumn(), console=console,
-                        disable=not (cfg.logging.progress and rank0))
+                        disable=not (cfg.logging.progress and rank0) or cfg.gate.only)
     task = progress.add_task(cfg.name, total=cfg.optim.steps, info="")
 
     def on_gate(report: dict[str, Any]) -> None:
