@@ -113,9 +113,13 @@ def largest_temps(dump_dir: Path, n: int) -> list[dict[str, Any]]:
                 values[name] = (size, shape)
     metadata, locate = _hlo_metadata(hlo[-1].read_text())
     out = []
-    for name, (size, shape) in sorted(values.items(), key=lambda kv: -kv[1][0])[:n]:
+    for name, (size, shape) in sorted(values.items(), key=lambda kv: -kv[1][0]):
         meta = metadata.get(name, "")
         op = re.search(r'op_name="([^"]*)"', meta)
+        if not op and any(o["bytes"] == size and o["shape"] == shape for o in out):
+            continue  # a second output of a fusion already listed, with no op of its own
+        if len(out) == n:
+            break
         frame = re.search(r"stack_frame_id=(\d+)", meta)
         src = re.search(r'source_file="([^"]*)" source_line=(\d+)', meta)
         source = (f"{_short(src.group(1))}:{src.group(2)}" if src
