@@ -19,6 +19,8 @@ import time
 from rich.console import Console
 from rich.table import Table
 
+from pdecomp.units import fmt_bytes
+
 PDECOMP = os.path.join(os.path.dirname(sys.executable), "pdecomp")
 RESID3 = ["+experiment=resid_mlp3"]
 B200_64 = ["gate.target=b200", "mesh=fsdp64"]
@@ -54,9 +56,7 @@ def main() -> None:
         for i, (name, args) in enumerate(CASES):
             wall, rep = gate_only(args, f"{d}/{i}")
             toy = toy or wall
-            peak = rep["peak_bytes"]
-            size = f"{peak / 2**30:.3f} GiB" if peak >= 2**30 else f"{peak / 2**20:.2f} MiB"
-            table.add_row(name, str(rep["n_devices"]), size, f"{rep['compile_s']:.2f}",
+            table.add_row(name, str(rep["n_devices"]), fmt_bytes(rep["peak_bytes"]), f"{rep['compile_s']:.2f}",
                           f"{wall:.1f}", f"{wall / toy:.2f}")
             if i in (0, 3):
                 _, bare = gate_only([*args, "gate.top_temps=0"], f"{d}/{i}-bare")

@@ -15,11 +15,11 @@ from rich.console import Console
 from rich.table import Table
 
 from pdecomp.plots import plot_gate_sweep
+from pdecomp.units import GiB
 
 # The result columns shown when present in a run's summary.json, in this order.
 RESULT_PREFIXES = ("live/", "mmcs/", "ml2r/", "one_to_one/", "loss/total")
 
-GiB = 2**30
 # gate.json sizes written to the CSV in GiB (`<name>_bytes` -> `<name>_gib`), then other fields.
 GATE_SIZES = ("argument", "output", "temp", "alias", "host_temp", "peak", "xla_peak", "cap",
               "headroom")

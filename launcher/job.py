@@ -19,6 +19,7 @@ from rich.table import Table
 
 from launcher.registry import to_run_config
 from pdecomp.config import EXIT_BAD_CONFIG, ConfigError, RunConfig
+from pdecomp.units import GiB, fmt_bytes
 
 console = Console(stderr=True)
 
@@ -41,8 +42,6 @@ def gate_table(report: dict[str, Any], title: str = "memory gate (per device)") 
 
 def temps_table(report: dict[str, Any]) -> Table | None:
     """What to cut: the largest temporaries, with the operation and source line behind each."""
-    from pdecomp.gate import fmt_bytes
-
     if not report.get("largest_temps"):
         return None
     table = Table(title="largest temporaries (XLA buffer assignment)")
@@ -124,7 +123,7 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
                 console.print(temps)
         if wb:
             wb.summary("gate", report)
-            wb.log(0, {"hbm/predicted_peak_gib": report["peak_bytes"] / 2**30})
+            wb.log(0, {"hbm/predicted_peak_gib": report["peak_bytes"] / GiB})
 
     def on_progress(done: int, total: int, last: dict[str, float]) -> None:
         info = f"loss {last['loss/total']:.3g}" if "loss/total" in last else ""

@@ -217,7 +217,10 @@ def site_names_of(model: ModelConfig) -> tuple[str, ...]:
 
 
 def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
-    """Cross-field checks that types cannot express. Raises ConfigError on the first problem."""
+    """Cross-field checks that types cannot express. Raises ConfigError on the first problem.
+
+    `n_devices`: the devices the job has, where known (in the job, not for a deviceless
+    gate, whose mesh is the planned hosts x GPUs)."""
     m = cfg.model
     _choice("model.kind", m.kind, TARGETS)
     for key in ("n_features", "d_hidden", "d_embed", "n_layers", "train_steps", "train_batch_size"):
@@ -298,8 +301,6 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
     _positive("mesh.hosts", me.hosts)
     _positive("mesh.gpus_per_host", me.gpus_per_host, zero_ok=True)
     planned = me.hosts * max(me.gpus_per_host, 1)
-    if cfg.gate.target != "local":
-        n_devices = planned  # a deviceless gate compiles for the planned GPUs
     if me.data and cfg.gate.target != "local" and me.data != planned:
         raise ConfigError("mesh.data", me.data, f"must be 0 or mesh.hosts x mesh.gpus_per_host "
                           f"({planned}) for gate.target={cfg.gate.target}")

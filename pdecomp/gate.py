@@ -7,6 +7,7 @@ Peak per device = temp + argument + output − alias (docs/MEMORY_GATE.md).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -18,7 +19,7 @@ from typing import Any
 
 import jax
 
-GiB = 1024**3
+from pdecomp.units import GiB, fmt_bytes
 
 
 def abstract(tree: Any) -> Any:
@@ -58,13 +59,14 @@ def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, 
     its own output step after step. With `top_temps`, XLA dumps its buffer assignment while
     compiling (the executable is the same) and the largest temporaries go into the report.
     """
-    jitted = jax.jit(fn, donate_argnums=donate_argnums, out_shardings=out_shardings)
-    with tempfile.TemporaryDirectory(prefix="pdecomp-gate-") as dump:
-        options = {"xla_dump_to": dump} if top_temps else None
-        t0 = time.perf_counter()
-        compiled = jitted.lower(*abstract(args)).compile(options)
+    t0 = time.perf_counter()
+    lowered = jax.jit(fn, donate_argnums=donate_argnums,
+                      out_shardings=out_shardings).lower(*abstract(args))
+    dump_dir = tempfile.TemporaryDirectory(prefix="pdecomp-gate-") if top_temps else None
+    with dump_dir or contextlib.nullcontext():
+        compiled = lowered.compile({"xla_dump_to": dump_dir.name} if dump_dir else None)
         compile_s = time.perf_counter() - t0
-        temps = largest_temps(Path(dump), top_temps) if top_temps else []
+        temps = largest_temps(Path(dump_dir.name), top_temps) if dump_dir else []
     ma = compiled.memory_analysis()
     arg = int(ma.argument_size_in_bytes)
     out = int(ma.output_size_in_bytes)
@@ -177,10 +179,6 @@ def tree_bytes(tree: Any) -> int:
             shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
             total += math.prod(shape) * jax.numpy.dtype(x.dtype).itemsize
     return total
-
-
-def fmt_bytes(b: int) -> str:
-    return f"{b / GiB:.3f} GiB" if abs(b) >= GiB else f"{b / 1024**2:.3f} MiB"
 
 
 def format_report(report: dict[str, Any]) -> list[tuple[str, str]]:

@@ -6,7 +6,7 @@ prediction is for another program. Only the device figures matter for memory pla
 per-unit rate tables, which feed the cost model only, are left out.
 
 The CUDA compile plugin (jax-cuda12-plugin + jax-cuda12-pjrt at jaxlib's version) lives
-outside site-packages (`make install` puts it in `<venv>/gpu-compile`): loaded on every
+outside site-packages (`make install-gpu-compile` puts it in `<venv>/gpu-compile`): loaded on every
 `import jax` it would log a missing-driver warning on each CPU-only run. It is loaded here,
 on demand, only when a deviceless target is asked for.
 """
@@ -14,6 +14,7 @@ on demand, only when a deviceless target is asked for.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 import sys
@@ -122,7 +123,7 @@ def _load_cuda_plugin() -> None:
     if not (path / "jax_plugins").is_dir():
         raise GpuCompileUnavailable(
             f"deviceless GPU compile needs jax-cuda12-plugin and jax-cuda12-pjrt "
-            f"{jax.__version__} in {path} (make install puts them there)")
+            f"{jax.__version__} in {path} (`make install-gpu-compile` puts them there)")
     if str(path) not in sys.path:
         sys.path.append(str(path))
     # Without an explicit platform list the plugin checks for a CUDA runtime and gives up.
@@ -132,14 +133,23 @@ def _load_cuda_plugin() -> None:
         importlib.import_module("jax_plugins.xla_cuda12").initialize()
 
 
+def _topology(gpu: str, hosts: int, gpus_per_host: int) -> topologies.TopologyDescription:
+    return topologies.get_topology_desc(platform="cuda", target_config=target_config(GPUS[gpu]),
+                                        topology=f"1x{hosts}x{gpus_per_host}")
+
+
+@functools.cache
+def ensure_gpu_compile() -> None:
+    """Make CUDA compile-only devices available: through an installed CUDA jax, else by
+    loading the plugin from `plugin_dir()`. Raises GpuCompileUnavailable (not cached)."""
+    try:
+        _topology("h100", 1, 1)
+    except NotImplementedError:
+        _load_cuda_plugin()
+
+
 def topology_mesh(gpu: str, hosts: int, gpus_per_host: int, axis: str = "data") -> Mesh:
     """A compile-only mesh of `hosts x gpus_per_host` GPUs of kind `gpu` on one data axis."""
-    spec = GPUS[gpu]
-    kwargs = {"platform": "cuda", "target_config": target_config(spec),
-              "topology": f"1x{hosts}x{gpus_per_host}"}
-    try:
-        topo = topologies.get_topology_desc(**kwargs)
-    except (NotImplementedError, RuntimeError):
-        _load_cuda_plugin()  # not on a CUDA host: load the compile-only plugin and retry
-        topo = topologies.get_topology_desc(**kwargs)
-    return topologies.make_mesh(topo, (hosts * gpus_per_host,), (axis,))
+    ensure_gpu_compile()
+    return topologies.make_mesh(_topology(gpu, hosts, gpus_per_host),
+                                (hosts * gpus_per_host,), (axis,))

@@ -180,7 +180,7 @@ class Llama(eqx.Module):
             j = i
             while j < stop and j not in hooked:
                 j += 1
-            stacked = jax.tree.map(lambda a, i=i, j=j: a[i:j], self.layer(slice(None)))
+            stacked = self.layer(slice(i, j))
 
             def body(carry, w):
                 return self.block(carry, w, rope, lambda _, x, W: frozen_linear("", x, W)), None
@@ -251,8 +251,11 @@ class _Tensors:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.handles[self.where[name]].get_slice(name).get_shape())
 
-    def get(self, name: str) -> np.ndarray:
-        return self.handles[self.where[name]].get_tensor(name)
+    def read(self, name: str, index: tuple[slice, ...], transpose: bool) -> np.ndarray:
+        """Only the block `index` of tensor `name` (of its transpose): a host reads the parts
+        its own devices hold, never the whole tensor for a shard of it."""
+        part = self.handles[self.where[name]].get_slice(name)
+        return part[index[::-1]].T if transpose else part[index]
 
 
 def load_config(path: str | Path) -> LlamaConfig:
@@ -282,20 +285,12 @@ def load_hf(path: str | Path, dtype: Any = jnp.float32,
 
     def stacked(key: str, transpose: bool) -> Callable[[tuple], np.ndarray]:
         def read(index: tuple) -> np.ndarray:
-            layers = range(L)[index[0]] if index else range(L)
-            rest = index[1:] if index else ()
-            out = []
-            for i in layers:
-                w = tensors.get(_hf_names(i)[key])
-                out.append((w.T if transpose else w)[rest])
-            return np.stack(out).astype(dtype)
+            return np.stack([tensors.read(_hf_names(i)[key], index[1:], transpose)
+                             for i in range(L)[index[0]]]).astype(dtype)
         return read
 
     def single(name: str, transpose: bool) -> Callable[[tuple], np.ndarray]:
-        def read(index: tuple) -> np.ndarray:
-            w = tensors.get(name)
-            return (w.T if transpose else w)[index].astype(dtype)
-        return read
+        return lambda index: tensors.read(name, index, transpose).astype(dtype)
 
     readers: dict[str, Any] = {
         "embed": single("model.embed_tokens.weight", False),

@@ -12,6 +12,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
+from pdecomp.units import GiB, MiB, fmt_bytes
+
 
 def plot_mean_ci(ci: dict[str, dict], path: Path, threshold: float) -> Path:
     """One bar chart per site: mean CI per component, sorted, live ones highlighted."""
@@ -79,10 +81,6 @@ def plot_history(history: list[dict[str, float]], path: Path) -> Path:
     return path
 
 
-def _size(b: float) -> str:
-    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
-
-
 def _draw_caps(ax: plt.Axes, x: np.ndarray, reports: list[dict], scale: float, ytop: float
                ) -> list[str]:
     """The cap as a dashed red line, one segment per bar when the jobs' caps differ; then
@@ -93,9 +91,9 @@ def _draw_caps(ax: plt.Axes, x: np.ndarray, reports: list[dict], scale: float, y
     if len(set(caps)) > 1:
         ax.hlines(caps / scale, x - 0.4, x + 0.4, colors="red", linestyles="--",
                   label="cap (per job)")
-        return [f"cap {_size(c)}" + (" ↑" if c / scale > ytop else "") for c in caps]
+        return [f"cap {fmt_bytes(c)}" + (" ↑" if c / scale > ytop else "") for c in caps]
     above = caps[0] / scale > ytop
-    label = f"cap {_size(caps[0])}" + (" (above the axis)" if above else "")
+    label = f"cap {fmt_bytes(caps[0])}" + (" (above the axis)" if above else "")
     if source := reports[0].get("cap_source"):
         label += f"\n{source}"
     if above:
@@ -128,7 +126,7 @@ def plot_gate_sweep(labels: list[str], reports: list[dict], path: Path) -> Path:
     output-not-aliased stacked, so a bar's top is the gate's peak; against the cap. Jobs
     that do not fit are hatched and outlined red."""
     peaks = np.array([r["peak_bytes"] for r in reports], float)
-    unit, scale = ("GiB", 2**30) if peaks.max() >= 2**30 else ("MiB", 2**20)
+    unit, scale = ("GiB", GiB) if peaks.max() >= GiB else ("MiB", MiB)
     # a cap more than 4x the tallest bar would flatten the bars: leave it off the axis
     top = peaks.max() / scale
     caps = np.array([r["cap_bytes"] for r in reports], float) / scale

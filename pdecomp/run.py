@@ -28,6 +28,7 @@ from pdecomp.checkpoint import Checkpointer
 from pdecomp.components import with_tied
 from pdecomp.config import RunConfig, tied_sites, validate
 from pdecomp.train import TrainState, faithfulness_warmup, init_state, make_train_step
+from pdecomp.units import GiB, fmt_bytes
 
 EXIT_GATE_REFUSED = 3
 
@@ -35,8 +36,8 @@ EXIT_GATE_REFUSED = 3
 class GateRefused(RuntimeError):
     def __init__(self, report: dict[str, Any]):
         self.report = report
-        super().__init__(f"gate refused: predicted peak {report['peak_bytes'] / 2**30:.3f} GiB "
-                         f"> cap {report['cap_bytes'] / 2**30:.3f} GiB per device")
+        super().__init__(f"gate refused: predicted peak {fmt_bytes(report['peak_bytes'])} "
+                         f"> cap {fmt_bytes(report['cap_bytes'])} per device")
 
 
 @dataclass
@@ -64,20 +65,24 @@ def _jsonable(x: Any) -> Any:
     raise TypeError(type(x))
 
 
-def _measured_peak(device: jax.Device) -> int | None:
-    stats = device.memory_stats() or {}
-    return stats.get("peak_bytes_in_use")
+def measured_memory(mesh: Mesh) -> tuple[int, int] | None:
+    """(peak, in use) bytes, the largest over this host's devices, where the backend reports
+    them (GPUs do; XLA:CPU does not)."""
+    stats = [d.memory_stats() or {} for d in mesh.devices.flat
+             if d.process_index == jax.process_index()]
+    stats = [s for s in stats if "peak_bytes_in_use" in s]
+    if not stats:
+        return None
+    return (max(s["peak_bytes_in_use"] for s in stats), max(s["bytes_in_use"] for s in stats))
 
 
 def calibrate(report: dict[str, Any], mesh: Mesh) -> bool:
-    """Put the measured peak (largest over this host's devices) beside the prediction, where
-    the backend reports one (GPUs do; XLA:CPU does not)."""
-    peaks = [p for d in mesh.devices.flat if d.process_index == jax.process_index()
-             and (p := _measured_peak(d))]
-    if not peaks:
+    """Put the measured peak beside the prediction; False where none is reported."""
+    measured = measured_memory(mesh)
+    if measured is None:
         return False
-    report["measured_peak_bytes"] = int(max(peaks))
-    report["predicted_over_measured"] = report["peak_bytes"] / max(peaks)
+    report["measured_peak_bytes"] = int(measured[0])
+    report["predicted_over_measured"] = report["peak_bytes"] / measured[0]
     return True
 
 
@@ -215,12 +220,9 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
             last["perf/step_s"] = (now - t_log) / n_steps
             last["perf/examples_per_s"] = cfg.data.batch_size / last["perf/step_s"]
             t_log = now
-            peak = _measured_peak(mesh.devices.flat[0])
-            last["hbm/predicted_peak_gib"] = report["peak_bytes"] / gate_lib.GiB
-            if peak is not None:
-                last["hbm/peak_gib"] = peak / gate_lib.GiB
-                last["hbm/in_use_gib"] = (mesh.devices.flat[0].memory_stats()["bytes_in_use"]
-                                          / gate_lib.GiB)
+            last["hbm/predicted_peak_gib"] = report["peak_bytes"] / GiB
+            if measured := measured_memory(mesh):
+                last["hbm/peak_gib"], last["hbm/in_use_gib"] = (b / GiB for b in measured)
             history.append({"step": done, **last})
             if hooks.on_metrics:
                 hooks.on_metrics(done, last)
@@ -228,7 +230,7 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
             write_json(run_dir / "gate.json", report)
             if hooks.on_metrics:
                 hooks.on_metrics(done, {
-                    "hbm/measured_peak_gib": report["measured_peak_bytes"] / gate_lib.GiB,
+                    "hbm/measured_peak_gib": report["measured_peak_bytes"] / GiB,
                     "hbm/predicted_over_measured": report["predicted_over_measured"]})
         if hooks.progress:
             hooks.progress(done, steps, last)

@@ -26,11 +26,18 @@ def is_deviceless(cfg: RunConfig) -> bool:
 
 
 def check_target(cfg: RunConfig) -> None:
-    """A GPU this job does not have can be compiled for, not trained on."""
-    if is_deviceless(cfg) and not cfg.gate.only:
+    """A GPU this job does not have can be compiled for (given the compile plugin), not
+    trained on."""
+    if not is_deviceless(cfg):
+        return
+    if not cfg.gate.only:
         raise ConfigError("gate.target", cfg.gate.target,
                           f"this job has no {cfg.gate.target}: add gate.only=true to gate for "
                           "it from here, or use gate.target=local to train")
+    try:
+        hardware.ensure_gpu_compile()
+    except hardware.GpuCompileUnavailable as e:
+        raise ConfigError("gate.target", cfg.gate.target, str(e)) from None
 
 
 def make_mesh(cfg: RunConfig) -> Mesh:
@@ -41,13 +48,8 @@ def make_mesh(cfg: RunConfig) -> Mesh:
     most devices that divide the batch.
     """
     me = cfg.mesh
-    per_host = max(me.gpus_per_host, 1)
-    check_target(cfg)
-    if is_deviceless(cfg):
-        try:
-            return hardware.topology_mesh(cfg.gate.target, me.hosts, per_host, AXIS)
-        except hardware.GpuCompileUnavailable as e:
-            raise ConfigError("gate.target", cfg.gate.target, str(e)) from None
+    if is_deviceless(cfg):  # preflight's check_target made the compile plugin available
+        return hardware.topology_mesh(cfg.gate.target, me.hosts, max(me.gpus_per_host, 1), AXIS)
     devices = jax.devices()
     n = me.data or (me.hosts * me.gpus_per_host if me.gpus_per_host else
                     max(k for k in range(1, len(devices) + 1) if cfg.data.batch_size % k == 0))

@@ -95,3 +95,17 @@ def test_bad_checkpoints_are_clear_errors(tmp_path):
     next(sharded.glob("model-00002-*.safetensors")).unlink()
     with pytest.raises(CheckpointError, match="shard model-00002.* missing"):
         load_hf(sharded)
+
+
+def test_a_shard_reads_only_its_block_of_a_tensor():
+    """What make_array_from_callback asks of each device: one block, of the [d_in, d_out]
+    transpose of HF's [d_out, d_in] storage."""
+    from safetensors.numpy import load_file
+
+    from pdecomp.llama import _Tensors
+
+    path = FIXTURES / "gqa_llama3"
+    full = load_file(str(path / "model.safetensors"))["model.layers.1.mlp.up_proj.weight"]
+    block = (slice(16, 48), slice(40, 80))
+    got = _Tensors(path).read("model.layers.1.mlp.up_proj.weight", block, transpose=True)
+    np.testing.assert_array_equal(got, full.T[block])
