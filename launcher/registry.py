@@ -55,8 +55,12 @@ def _twin_value(value: Any) -> Any:
         return twin(**{f.name: _twin_value(getattr(value, f.name))
                        for f in dataclasses.fields(value)})
     if isinstance(value, dict):
-        return {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else _twin_value(v))
-                for k, v in value.items()}
+        if any(dataclasses.is_dataclass(v) for v in value.values()):
+            # A named collection (loss.recon): Hydra merges a group's dict into the schema
+            # default instead of replacing it, so the schema starts it empty and each
+            # group option lists its entries in full.
+            return {}
+        return {k: _twin_value(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_twin_value(v) for v in value]
     return value

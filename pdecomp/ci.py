@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from pdecomp.ci_global import GlobalCITransformer
 from pdecomp.components import Components
+from pdecomp.config import LayersConfig
 
 ALPHA = 0.01
 _BLOCK_DIAG_MAX_C = 32  # above this the block-diagonal form's extra arithmetic costs more
@@ -133,23 +135,32 @@ class SharedMLP(eqx.Module):
 
 
 class CIFunction(eqx.Module):
-    """Per-site CI networks: site inputs of a batch → logits [*pos, C] for each site."""
+    """Site inputs of a batch → logits [*pos, C] for each site: one network per site, or
+    one global network over all sites (`global_transformer`)."""
 
     sites: dict[str, ComponentwiseMLP | SharedMLP]
+    global_net: GlobalCITransformer | None = None
 
     @staticmethod
-    def init(key: PRNGKeyArray, kind: str, d_in: Mapping[str, int], C: Mapping[str, int],
-             hidden: list[int]) -> CIFunction:
+    def init(key: PRNGKeyArray, layers: LayersConfig, d_in: Mapping[str, int],
+             C: Mapping[str, int]) -> CIFunction:
+        kind, hidden = layers.ci_fn, list(layers.ci_hidden)
+        if kind == "global_transformer":
+            return CIFunction({}, GlobalCITransformer.init(
+                key, d_in, C, layers.ci_d_model, layers.ci_blocks, layers.ci_heads,
+                layers.ci_mlp))
         keys = jax.random.split(key, len(C))
         nets: dict[str, ComponentwiseMLP | SharedMLP] = {}
         for k, s in zip(keys, C, strict=True):
             if kind == "shared_mlp":
-                nets[s] = SharedMLP.init(k, C[s], d_in[s], list(hidden))
+                nets[s] = SharedMLP.init(k, C[s], d_in[s], hidden)
             else:
-                nets[s] = ComponentwiseMLP.init(k, C[s], d_in[s], list(hidden),
+                nets[s] = ComponentwiseMLP.init(k, C[s], d_in[s], hidden,
                                                 on_inner_acts=kind == "mlp")
         return CIFunction(nets)
 
     def __call__(self, site_inputs: Mapping[str, Array], components: Components
                  ) -> dict[str, Float[Array, "*pos C"]]:
+        if self.global_net is not None:
+            return self.global_net(site_inputs, components)
         return {s: net(site_inputs[s], components.sites[s].V) for s, net in self.sites.items()}

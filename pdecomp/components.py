@@ -13,6 +13,7 @@ from typing import NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 LinearFn = Callable[[str, Array, Array], Array]
@@ -96,12 +97,14 @@ def masked_linear(components: Components, site_masks: Mapping[str, SiteMask]) ->
             return frozen_linear(site, x, W)
         comp, m = components.sites[site], site_masks[site]
         dt = x.dtype
-        y = ((x @ comp.V.astype(dt)) * m.mask.astype(dt)) @ comp.U.astype(dt)
+        # Tags for remat policies: the [*pos, C] inner acts and the site output.
+        inner = checkpoint_name(x @ comp.V.astype(dt), "site_inner")
+        y = (inner * m.mask.astype(dt)) @ comp.U.astype(dt)
         if m.delta_mask is not None:
             delta = (W.astype(jnp.float32) - comp.weight).astype(dt)
             y = y + (x @ delta) * m.delta_mask[..., None].astype(dt)
         if m.routed is not None:
             y = jnp.where(m.routed[..., None], y, frozen_linear(site, x, W))
-        return y
+        return checkpoint_name(y, "site_out")
 
     return linear

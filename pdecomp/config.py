@@ -7,15 +7,17 @@ Every error names the dotted key, the value and what is allowed.
 
 from __future__ import annotations
 
+import json
 import math
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import Any
 
 # Values allowed for the string-valued choices; `validate` quotes them in its errors.
-TARGETS = ("tms", "resid_mlp")
-CI_FN_TYPES = ("mlp", "vector_mlp", "shared_mlp")
+TARGETS = ("tms", "resid_mlp", "llama")
+CI_FN_TYPES = ("mlp", "vector_mlp", "shared_mlp", "global_transformer")
 SOURCES = ("continuous", "binomial", "ci")
 ROUTINGS = ("all", "uniform_k")
 PLANS = ("all", "layerwise", "chunkwise")
@@ -24,6 +26,14 @@ SCHEDULES = ("constant", "linear", "cosine")
 GATE_TARGETS = ("local", "h100", "h200", "b200")  # pdecomp.hardware.GPUS
 FIT_MODES = ("none", "batch")
 DTYPES = ("float32", "bfloat16")
+DATA_SOURCES = ("toy", "synthetic", "tokens", "hf_dataset")  # toy: the toy target's features
+TOKEN_DTYPES = ("uint16", "uint32")
+PGD_SCOPES = ("global", "batch_shared", "per_example")  # [1,1,C+1], [1,T,C+1], [B,T,C+1]
+PGD_OPTIMIZERS = ("adam", "sign")
+REMAT = ("none", "full", "save_dots", "names", "offload")
+REMAT_NAMES = ("site_inner", "site_out", "layer_out")  # checkpoint_name tags in the forward
+LLAMA_MLP = ("gate_proj", "up_proj", "down_proj")
+LLAMA_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 EXIT_BAD_CONFIG = 2  # the exit code of a run refused for its config
@@ -39,14 +49,30 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The frozen target. Toy targets are trained in-process and cached by their settings."""
+    """The frozen target. Toy targets are trained in-process and cached by their settings.
+
+    A Llama (`kind: llama`) is read from the Hugging Face directory `path`, whose
+    config.json then defines the architecture; without a path the fields below give its
+    shapes (enough for the gate) and its weights are random (for tests and CPU trials).
+    """
 
     name: str = "tms_5-2"
     kind: str = "tms"  # one of TARGETS
+    path: str = ""  # llama: a HF directory (config.json + safetensors)
     n_features: int = 5
     d_hidden: int = 2  # TMS hidden size m; residual MLP neurons per layer
-    d_embed: int = 1000  # residual MLP stream width
-    n_layers: int = 1  # residual MLP layers
+    d_embed: int = 1000  # residual stream width (residual MLP, llama hidden_size)
+    n_layers: int = 1  # residual MLP / llama layers
+    # llama architecture without a path (HF config.json names in comments)
+    vocab_size: int = 128
+    d_mlp: int = 160  # intermediate_size
+    n_heads: int = 4  # num_attention_heads
+    n_kv_heads: int = 4  # num_key_value_heads
+    head_dim: int = 0  # 0: d_embed / n_heads
+    rope_theta: float = 10_000.0
+    rope_scaling: dict[str, Any] = field(default_factory=dict)  # e.g. rope_type: llama3, ...
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = False
     n_hidden_layers: int = 0  # TMS +ID variants: fixed identity layers between linear1/linear2
     feature_prob: float = 0.05
     train_steps: int = 10_000
@@ -67,6 +93,11 @@ class LayersConfig:
     delta: bool = True
     ci_fn: str = "mlp"  # one of CI_FN_TYPES
     ci_hidden: list[int] = field(default_factory=lambda: [16])
+    # global_transformer: one network over all sites' inputs (SPD_SEMANTICS.md)
+    ci_d_model: int = 64
+    ci_blocks: int = 2
+    ci_heads: int = 4
+    ci_mlp: int = 256
     # A target with tied weights (TMS: linear2 = linear1ᵀ) gets tied components too: the
     # follower's V, U are its leader's Uᵀ, Vᵀ and own no parameters (as in the SPD paper).
     tie: bool = True
@@ -81,6 +112,19 @@ class ReconTermConfig:
     sites_per_chunk: int = 0  # chunkwise only
     source: str = "continuous"  # one of SOURCES
     routing: str = "all"  # one of ROUTINGS
+
+
+@dataclass(frozen=True)
+class PGDConfig:
+    """The persistent adversarial recon term: trainable sources that persist across steps,
+    ascended to make the all-sites-live forward as unfaithful as possible."""
+
+    coeff: float = 0.0  # 0: off
+    scope: str = "batch_shared"  # one of PGD_SCOPES
+    optimizer: str = "adam"  # one of PGD_OPTIMIZERS; adam with b1 0.5, b2 0.99, eps 1e-8
+    lr: float = 0.01
+    warmup_frac: float = 0.025  # linear lr warmup, as a fraction of optim.steps
+    n_warmup: int = 2  # extra ascents before each step's loss
 
 
 @dataclass(frozen=True)
@@ -101,6 +145,7 @@ class LossConfig:
             "layerwise": ReconTermConfig(plan="layerwise"),
         }
     )
+    pgd: PGDConfig = field(default_factory=PGDConfig)
 
 
 @dataclass(frozen=True)
@@ -130,8 +175,15 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
+    """Toy targets sample their sparse features; a Llama reads token windows (docs/data.md)."""
+
     batch_size: int = 4096
     eval_batches: int = 8  # batches used for the final metrics (live components, MMCS)
+    source: str = "toy"  # one of DATA_SOURCES
+    path: str = ""  # tokens: a flat token file; hf_dataset: a save_to_disk directory
+    token_dtype: str = "uint16"  # tokens: one of TOKEN_DTYPES
+    column: str = "input_ids"  # hf_dataset: the column of token ids
+    seq_len: int = 512
 
 
 @dataclass(frozen=True)
@@ -152,6 +204,12 @@ class MemoryConfig:
     safety_fraction: float = 0.9
     donate: bool = True
     compute_dtype: str = "float32"  # one of DTYPES
+    target_dtype: str = "float32"  # storage of the frozen target; one of DTYPES
+    # Rematerialization of each recon forward (one of REMAT): none keeps every activation
+    # for the backward; full keeps only the forward's inputs; save_dots keeps matmul
+    # outputs; names keeps the tensors tagged `remat_names`; offload moves those to host.
+    remat: str = "none"
+    remat_names: list[str] = field(default_factory=lambda: ["layer_out"])
 
 
 @dataclass(frozen=True)
@@ -205,8 +263,26 @@ def _fraction(key: str, value: float) -> None:
         raise ConfigError(key, value, "must be a fraction in [0, 1]")
 
 
+def llama_n_layers(model: ModelConfig) -> int:
+    """Layers of a Llama: from config.json when a path is given, else `model.n_layers`."""
+    if not model.path:
+        return model.n_layers
+    cfg_file = Path(model.path) / "config.json"
+    try:
+        return int(json.loads(cfg_file.read_text())["num_hidden_layers"])
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError("model.path", model.path,
+                          f"must be a Hugging Face model directory with a readable config.json "
+                          f"({type(e).__name__}: {e})") from None
+
+
 def site_names_of(model: ModelConfig) -> tuple[str, ...]:
-    """The target's sites in their fixed, documented order."""
+    """The target's sites in their fixed, documented order.
+
+    Llama: by layer, attention q/k/v/o then MLP gate/up/down, named by HF module path."""
+    if model.kind == "llama":
+        return tuple(f"layers.{i}.{part}.{w}" for i in range(llama_n_layers(model))
+                     for part, ws in (("self_attn", LLAMA_ATTN), ("mlp", LLAMA_MLP)) for w in ws)
     if model.kind == "tms":
         hidden = tuple("hidden" if model.n_hidden_layers == 1 else f"hidden.{i}"
                        for i in range(model.n_hidden_layers))
@@ -229,6 +305,8 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
     if not 0.0 < m.feature_prob <= 1.0:
         raise ConfigError("model.feature_prob", m.feature_prob, "must be in (0, 1]")
     _positive("model.train_lr", m.train_lr)
+    if m.kind == "llama":
+        _validate_llama(m)
 
     known = site_names_of(m)
     lay = cfg.layers
@@ -253,6 +331,13 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
     _choice("layers.ci_fn", lay.ci_fn, CI_FN_TYPES)
     for h in lay.ci_hidden:
         _positive("layers.ci_hidden", h)
+    if lay.ci_fn == "global_transformer":
+        for key in ("ci_d_model", "ci_blocks", "ci_heads", "ci_mlp"):
+            _positive(f"layers.{key}", getattr(lay, key))
+        if lay.ci_d_model % lay.ci_heads or (lay.ci_d_model // lay.ci_heads) % 2:
+            raise ConfigError("layers.ci_heads", lay.ci_heads,
+                              f"layers.ci_d_model ({lay.ci_d_model}) / heads must be an even "
+                              "integer (RoPE rotates pairs)")
 
     lo = cfg.loss
     for key in ("faithfulness_coeff", "imp_min_coeff", "beta", "eps"):
@@ -277,6 +362,18 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
         if t.plan == "chunkwise" and not 1 <= t.sites_per_chunk <= len(lay.sites):
             raise ConfigError(f"{k}.sites_per_chunk", t.sites_per_chunk,
                               f"must be in 1..{len(lay.sites)} (the number of sites)")
+    pgd = lo.pgd
+    _positive("loss.pgd.coeff", pgd.coeff, zero_ok=True)
+    _choice("loss.pgd.scope", pgd.scope, PGD_SCOPES)
+    _choice("loss.pgd.optimizer", pgd.optimizer, PGD_OPTIMIZERS)
+    _positive("loss.pgd.lr", pgd.lr)
+    _fraction("loss.pgd.warmup_frac", pgd.warmup_frac)
+    _positive("loss.pgd.n_warmup", pgd.n_warmup, zero_ok=True)
+    if lo.distance == "kl" and m.kind != "llama":
+        raise ConfigError("loss.distance", lo.distance, f"kl needs a language model; model "
+                          f"{m.name} outputs vectors: use mse")
+    if lo.distance == "mse" and m.kind == "llama":
+        raise ConfigError("loss.distance", lo.distance, "a Llama's output distance is kl")
 
     o = cfg.optim
     _positive("optim.steps", o.steps)
@@ -293,8 +390,18 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
         _positive(f"optim.{group}.weight_decay", g.weight_decay, zero_ok=True)
         _positive(f"optim.{group}.clip_norm", g.clip_norm, zero_ok=True)
 
-    _positive("data.batch_size", cfg.data.batch_size)
-    _positive("data.eval_batches", cfg.data.eval_batches)
+    d = cfg.data
+    _positive("data.batch_size", d.batch_size)
+    _positive("data.eval_batches", d.eval_batches)
+    _choice("data.source", d.source, DATA_SOURCES)
+    if (d.source == "toy") != (m.kind != "llama"):
+        allowed = ("toy" if m.kind != "llama" else
+                   ", ".join(x for x in DATA_SOURCES if x != "toy"))
+        raise ConfigError("data.source", d.source, f"model {m.name} ({m.kind}) reads: {allowed}")
+    _choice("data.token_dtype", d.token_dtype, TOKEN_DTYPES)
+    _positive("data.seq_len", d.seq_len)
+    if d.source in ("tokens", "hf_dataset") and not d.path and not cfg.gate.only:
+        raise ConfigError("data.path", d.path, f"data.source={d.source} needs a path")
     _choice("gate.target", cfg.gate.target, GATE_TARGETS)
     me = cfg.mesh
     _positive("mesh.data", me.data, zero_ok=True)
@@ -323,6 +430,10 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
     if not 0.0 < mem.safety_fraction <= 1.0:
         raise ConfigError("memory.safety_fraction", mem.safety_fraction, "must be in (0, 1]")
     _choice("memory.compute_dtype", mem.compute_dtype, DTYPES)
+    _choice("memory.target_dtype", mem.target_dtype, DTYPES)
+    _choice("memory.remat", mem.remat, REMAT)
+    for name in mem.remat_names:
+        _choice("memory.remat_names", name, REMAT_NAMES)
     g = cfg.gate
     _choice("gate.fit", g.fit, FIT_MODES)
     _positive("gate.fit_max_batch", g.fit_max_batch)
@@ -330,6 +441,25 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
     _positive("gate.calibrate_after", g.calibrate_after)
     _positive("logging.log_every", cfg.logging.log_every)
     _positive("logging.ckpt_every", cfg.logging.ckpt_every, zero_ok=True)
+
+
+def _validate_llama(m: ModelConfig) -> None:
+    if m.path:
+        llama_n_layers(m)  # a readable config.json (the loader checks the tensors)
+        return
+    for key in ("vocab_size", "d_mlp", "n_heads", "n_kv_heads"):
+        _positive(f"model.{key}", getattr(m, key))
+    _positive("model.head_dim", m.head_dim, zero_ok=True)
+    _positive("model.rope_theta", m.rope_theta)
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError("model.n_kv_heads", m.n_kv_heads,
+                          f"must divide model.n_heads ({m.n_heads})")
+    if not m.head_dim and m.d_embed % m.n_heads:
+        raise ConfigError("model.n_heads", m.n_heads,
+                          f"must divide model.d_embed ({m.d_embed}) unless model.head_dim is set")
+    kind = m.rope_scaling.get("rope_type", m.rope_scaling.get("type", "default"))
+    if m.rope_scaling and kind not in ("default", "llama3"):
+        raise ConfigError("model.rope_scaling.rope_type", kind, "allowed: default, llama3")
 
 
 def tied_sites(cfg: RunConfig) -> dict[str, str]:

@@ -24,9 +24,11 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
 from pdecomp.components import LinearFn, frozen_linear
+from pdecomp.config import ModelConfig
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -71,6 +73,24 @@ class LlamaConfig:
         return LlamaConfig(**kwargs)
 
 
+def arch(model: ModelConfig) -> LlamaConfig:
+    """The architecture of a run's Llama: config.json when a path is given, else the fields
+    of the model config (a pathless preset such as llama3_8b carries the real shapes)."""
+    if model.path:
+        return load_config(model.path)
+    return LlamaConfig(
+        vocab_size=model.vocab_size, hidden_size=model.d_embed, intermediate_size=model.d_mlp,
+        num_hidden_layers=model.n_layers, num_attention_heads=model.n_heads,
+        num_key_value_heads=model.n_kv_heads, head_dim=model.head_dim,
+        rms_norm_eps=model.rms_norm_eps, rope_theta=model.rope_theta,
+        rope_scaling=dict(model.rope_scaling) or None, tie_word_embeddings=model.tie_embeddings)
+
+
+def site_layer(site: str) -> int:
+    """`layers.18.mlp.gate_proj` -> 18."""
+    return int(site.split(".")[1])
+
+
 def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
     """Per-pair rotation frequencies, with Llama-3 scaling: long wavelengths slowed by
     `factor`, short ones kept, the band between interpolated smoothly."""
@@ -95,13 +115,13 @@ def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
 def rms_norm(x: Array, weight: Array, eps: float) -> Array:
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight * xf.astype(x.dtype)
+    return weight.astype(x.dtype) * xf.astype(x.dtype)
 
 
 def apply_rope(x: Float[Array, "*b t h d"], cos: Array, sin: Array) -> Array:
     x1, x2 = jnp.split(x, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return x * cos + rotated * sin
+    return x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)
 
 
 class Llama(eqx.Module):
@@ -157,7 +177,8 @@ class Llama(eqx.Module):
         x = rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
         gated = jax.nn.silu(linear("gate_proj", x, w["gate_proj"])) * linear("up_proj", x,
                                                                               w["up_proj"])
-        return h + linear("down_proj", gated, w["down_proj"])
+        # A tag for remat policies that keep (or offload) each layer's output.
+        return checkpoint_name(h + linear("down_proj", gated, w["down_proj"]), "layer_out")
 
     def embed_tokens(self, tokens: Int[Array, "b t"]) -> Array:
         return self.embed[tokens]
@@ -188,6 +209,21 @@ class Llama(eqx.Module):
             h, _ = jax.lax.scan(body, h, stacked)
             i = j
         return h
+
+    def split(self, sites: Sequence[str], dtype: Any) -> tuple[Callable, Callable]:
+        """(prefix, suffix) around the first layer that holds a site: the prefix (embedding
+        and the layers before it) runs once per batch outside every gradient graph; the
+        suffix runs the rest with the site layers unrolled and returns the logits."""
+        hooked = sorted({site_layer(s) for s in sites})
+        start = hooked[0]
+
+        def prefix(tokens: Array) -> Array:
+            return self.run_layers(self.embed_tokens(tokens).astype(dtype), 0, start)
+
+        def suffix(h: Array, linear: LinearFn = frozen_linear) -> Array:
+            return self.logits(self.run_layers(h, start, self.n_layers, linear, hooked))
+
+        return prefix, suffix
 
     def logits(self, h: Array) -> Float[Array, "b t vocab"]:
         h = rms_norm(h, self.final_norm, self.cfg.rms_norm_eps)
@@ -265,10 +301,9 @@ def load_config(path: str | Path) -> LlamaConfig:
     return LlamaConfig.from_hf(json.loads((path / "config.json").read_text()))
 
 
-def load_hf(path: str | Path, dtype: Any = jnp.float32,
-            shardings: Llama | None = None) -> Llama:
-    """The Llama in `path` (config.json + safetensors), each array built in its sharding
-    from this host's own reads of the files (no cross-host gather of a full copy)."""
+def check_hf(path: str | Path) -> LlamaConfig:
+    """config.json readable and every tensor present with the shape it implies (headers
+    only: cheap enough to run before the gate)."""
     path = Path(path)
     cfg = load_config(path)
     tensors = _Tensors(path)
@@ -280,7 +315,16 @@ def load_hf(path: str | Path, dtype: Any = jnp.float32,
         if tensors.shape(name) != shape:
             raise CheckpointError(f"{path}: tensor {name} has shape {tensors.shape(name)}; "
                                   f"config.json implies {shape}")
+    return cfg
 
+
+def load_hf(path: str | Path, dtype: Any = jnp.float32,
+            shardings: Llama | None = None) -> Llama:
+    """The Llama in `path` (config.json + safetensors), each array built in its sharding
+    from this host's own reads of the files (no cross-host gather of a full copy)."""
+    path = Path(path)
+    cfg = check_hf(path)
+    tensors = _Tensors(path)
     L = cfg.num_hidden_layers
 
     def stacked(key: str, transpose: bool) -> Callable[[tuple], np.ndarray]:
@@ -333,11 +377,16 @@ def init_llama(key: Array, cfg: LlamaConfig, dtype: Any = jnp.float32) -> Llama:
               "gate_proj": (d, inter), "up_proj": (d, inter), "down_proj": (inter, d)}
     keys = iter(jax.random.split(key, 16))
 
-    def normal(shape):
-        return (0.02 * jax.random.normal(next(keys), shape)).astype(dtype)
+    def normal(shape, std):
+        return (std * jax.random.normal(next(keys), shape)).astype(dtype)
 
+    # Unit-scale embeddings and 1/sqrt(fan_in) matrices: every layer moves the residual
+    # stream by about as much as it holds, so a random model's MLPs matter to its output
+    # (with a small uniform init they barely would, and there would be nothing to decompose).
     return Llama(
-        embed=normal((v, d)), attn_norm=jnp.ones((L, d), dtype),
-        attn={n: normal((L, *shapes[n])) for n in ATTN}, mlp_norm=jnp.ones((L, d), dtype),
-        mlp={n: normal((L, *shapes[n])) for n in MLP}, final_norm=jnp.ones((d,), dtype),
-        lm_head=None if cfg.tie_word_embeddings else normal((d, v)), cfg=cfg)
+        embed=normal((v, d), 1.0), attn_norm=jnp.ones((L, d), dtype),
+        attn={n: normal((L, *shapes[n]), shapes[n][0] ** -0.5) for n in ATTN},
+        mlp_norm=jnp.ones((L, d), dtype),
+        mlp={n: normal((L, *shapes[n]), shapes[n][0] ** -0.5) for n in MLP},
+        final_norm=jnp.ones((d,), dtype),
+        lm_head=None if cfg.tie_word_embeddings else normal((d, v), d ** -0.5), cfg=cfg)

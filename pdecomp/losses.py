@@ -48,11 +48,26 @@ def mse(out: Array, target: Array) -> Float[Array, ""]:
     return jnp.mean((out.astype(jnp.float32) - target.astype(jnp.float32)) ** 2)
 
 
-def kl(logits: Float[Array, "*pos V"], target_logits: Float[Array, "*pos V"]) -> Float[Array, ""]:
-    """KL(softmax(target) ‖ softmax(logits)) summed over the vocab, mean over positions."""
+def kl(logits: Float[Array, "*pos V"], target_logprobs: Float[Array, "*pos V"]
+       ) -> Float[Array, ""]:
+    """KL(softmax(clean) ‖ softmax(logits)) summed over the vocab, mean over positions, fp32.
+
+    Takes the clean forward's log-probs (see `recon_target`), computed once per step rather
+    than once per recon forward: one [*pos, V] fp32 tensor held for the step."""
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    lq = jax.nn.log_softmax(target_logits.astype(jnp.float32), axis=-1)
-    return jnp.mean(jnp.sum(jnp.exp(lq) * (lq - lp), axis=-1))
+    return jnp.mean(jnp.sum(jnp.exp(target_logprobs) * (target_logprobs - lp), axis=-1))
+
+
+def recon_target(distance: str, clean: Array) -> Array:
+    """What each recon forward's output is compared with: the clean output (mse) or its
+    fp32 log-probs (kl)."""
+    return jax.nn.log_softmax(clean.astype(jnp.float32), axis=-1) if distance == "kl" else clean
+
+
+def cross_entropy(logits: Float[Array, "b t V"], tokens: Array) -> Float[Array, ""]:
+    """Next-token CE (nats), mean over the positions that have a next token, fp32."""
+    lp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1))
 
 
 DISTANCES = {"mse": mse, "kl": kl}

@@ -2,24 +2,84 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
+from pdecomp import losses
 from pdecomp.ci import ci_lower
-from pdecomp.components import Components, recording_linear
+from pdecomp.components import Components, SiteMask, masked_linear, recording_linear
+from pdecomp.masks import sample_forward_masks
 from pdecomp.targets import TMS, ResidMLP
 
 
 def causal_importances(target, components: Components, ci_fn, x: Array) -> dict[str, Array]:
     """ci_lower per site for inputs x (the masks' CI)."""
     record: dict[str, Array] = {}
-    target(x, recording_linear(record))
+    prefix, suffix = target.split(tuple(components.sites), x.dtype if x.dtype.kind == "f"
+                                  else jnp.float32)
+    suffix(prefix(x), recording_linear(record))
     logits = ci_fn({s: record[s] for s in components.sites}, components)
     return {s: ci_lower(v) for s, v in logits.items()}
+
+
+MASK_KINDS = ("ci", "unmasked", "stochastic", "random", "rounded", "zero")
+
+
+def eval_masks(kind: str, lower: dict[str, Array], key: Array, threshold: float,
+               delta: bool) -> dict[str, SiteMask]:
+    """Every site live and routed, with the masks of `kind`: ci (the CI itself), unmasked
+    (all 1), stochastic (a continuous source, as in training), random (U[0,1], ignoring CI),
+    rounded (CI > threshold), zero (all 0). Only `stochastic` samples the delta channel;
+    the others leave it off, so they show what the components alone compute."""
+    if kind == "stochastic":
+        return sample_forward_masks(key, tuple(lower), "continuous", "all", lower, delta)
+    keys = dict(zip(lower, jax.random.split(key, len(lower))))
+    make = {"ci": lambda s, v: v, "unmasked": lambda s, v: jnp.ones_like(v),
+            "random": lambda s, v: jax.random.uniform(keys[s], v.shape),
+            "rounded": lambda s, v: (v > threshold).astype(v.dtype),
+            "zero": lambda s, v: jnp.zeros_like(v)}[kind]
+    off = (lambda v: jnp.zeros(v.shape[:-1], v.dtype)) if delta else (lambda v: None)
+    return {s: SiteMask(make(s, v), off(v), None) for s, v in lower.items()}
+
+
+def lm_mask_metrics(target, components: Components, ci_fn, batches: Sequence[Array],
+                    key: Array, threshold: float, delta: bool, dtype) -> dict[str, float]:
+    """CE of the target, and CE and KL (to the target) of the forward with every site
+    masked by each of MASK_KINDS, mean over the batches; ce_unrecovered per kind =
+    (CE_masked − CE_target) / (CE_zero − CE_target): 0 is the target, 1 is no better than
+    ablating every site."""
+    sites = tuple(components.sites)
+
+    @jax.jit
+    def one(tokens, key):
+        prefix, suffix = target.split(sites, dtype)
+        resid = prefix(tokens)
+        record: dict[str, Array] = {}
+        clean = suffix(resid, recording_linear(record))
+        logits = ci_fn({s: record[s] for s in sites}, components)
+        lower = {s: ci_lower(v) for s, v in logits.items()}
+        clean_lp = losses.recon_target("kl", clean)
+        out = {"ce/target": losses.cross_entropy(clean, tokens)}
+        for kind, k in zip(MASK_KINDS, jax.random.split(key, len(MASK_KINDS))):
+            masked = suffix(resid, masked_linear(components, eval_masks(kind, lower, k,
+                                                                        threshold, delta)))
+            out[f"ce/{kind}"] = losses.cross_entropy(masked, tokens)
+            out[f"kl/{kind}"] = losses.kl(masked, clean_lp)
+        return out
+
+    totals: dict[str, float] = {}
+    for i, tokens in enumerate(batches):
+        for k, v in one(tokens, jax.random.fold_in(key, i)).items():
+            totals[k] = totals.get(k, 0.0) + float(v) / len(batches)
+    ce_t, ce_z = totals["ce/target"], totals["ce/zero"]
+    for kind in MASK_KINDS:
+        totals[f"ce_unrecovered/{kind}"] = (totals[f"ce/{kind}"] - ce_t) / max(ce_z - ce_t,
+                                                                              1e-12)
+    return totals
 
 
 def ci_summary(target, components: Components, ci_fn, batches: Iterable[Array],

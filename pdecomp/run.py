@@ -7,6 +7,7 @@ through `on_metrics`. Results land in `run_dir`: gate.json, summary.json, plots,
 from __future__ import annotations
 
 import dataclasses as dc
+import functools
 import json
 import math
 import time
@@ -21,12 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from jaxtyping import Array
 
+from pdecomp import data, hardware, llama, metrics, plots, sharding, targets
 from pdecomp import gate as gate_lib
-from pdecomp import hardware, metrics, plots, sharding, targets
 from pdecomp.checkpoint import Checkpointer
 from pdecomp.components import with_tied
-from pdecomp.config import RunConfig, tied_sites, validate
+from pdecomp.config import ConfigError, RunConfig, tied_sites, validate
 from pdecomp.train import TrainState, faithfulness_warmup, init_state, make_train_step
 from pdecomp.units import GiB, fmt_bytes
 
@@ -105,9 +107,74 @@ def target_name(cfg: RunConfig, mesh: Mesh) -> str:
 
 
 def preflight(cfg: RunConfig) -> None:
-    """The checks that need this job's devices; raises ConfigError before anything is made."""
+    """The checks that need this job's devices or files; raises ConfigError before anything
+    is made."""
     validate(cfg, n_devices=None if sharding.is_deviceless(cfg) else len(jax.devices()))
     sharding.check_target(cfg)
+    if cfg.model.kind == "llama":
+        if cfg.model.path:
+            try:
+                llama.check_hf(cfg.model.path)
+            except llama.CheckpointError as e:
+                raise ConfigError("model.path", cfg.model.path, str(e)) from None
+        if not cfg.gate.only:  # the gate needs shapes only, not the data
+            token_stream(cfg)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_tokens(spec: data.TokenSpec) -> data.TokenStream:
+    return data.open_tokens(spec)
+
+
+def token_stream(cfg: RunConfig, seed_offset: int = 0) -> data.TokenStream:
+    d = cfg.data
+    spec = data.TokenSpec(d.source, d.path, d.token_dtype, d.column, d.seq_len,
+                          llama.arch(cfg.model).vocab_size, cfg.seed + seed_offset)
+    return _open_tokens(spec)
+
+
+def batch_abstract(cfg: RunConfig, batch_size: int, batch_sharding: NamedSharding
+                   ) -> jax.ShapeDtypeStruct:
+    """A toy target's feature batch [B, n] or a Llama's token batch [B, T]."""
+    if cfg.model.kind == "llama":
+        return jax.ShapeDtypeStruct((batch_size, cfg.data.seq_len), jnp.int32,
+                                    sharding=batch_sharding)
+    return jax.ShapeDtypeStruct((batch_size, cfg.model.n_features), jnp.float32,
+                                sharding=batch_sharding)
+
+
+def batch_sampler(cfg: RunConfig, batch_sharding: NamedSharding, key: Array,
+                  seed_offset: int = 0) -> Callable[[int], Array]:
+    """step -> that step's global batch, already split on the data axis. Deterministic in
+    (seed, step), so a resumed run sees the same batches as an uninterrupted one."""
+    B = cfg.data.batch_size
+    if cfg.model.kind != "llama":
+        sample = jax.jit(lambda k: targets.sample_inputs(k, cfg.model, B),
+                         out_shardings=batch_sharding)
+        return lambda i: sample(jax.random.fold_in(key, i))
+    stream = token_stream(cfg, seed_offset)
+    shape = (B, cfg.data.seq_len)
+    # Each host reads only the rows its own devices hold.
+    return lambda i: jax.make_array_from_callback(
+        shape, batch_sharding, lambda index: stream.rows(i, B, index[0]))
+
+
+def load_target(cfg: RunConfig, target_abs: Any, log: Callable[[str], None]
+                ) -> tuple[Any, dict[str, Any]]:
+    """The frozen target, in its shardings. Toys: cached by their settings, trained and
+    checked the first time. Llama: read from its HF directory into place, or (no path)
+    random weights made in place."""
+    m, shardings = cfg.model, sharding.shardings(target_abs)
+    if m.kind != "llama":
+        target, meta = targets.load_or_train_target(m, log=log)
+        return jax.device_put(target, shardings), meta
+    dtype = jnp.dtype(cfg.memory.target_dtype)
+    if m.path:
+        log(f"loading {m.path} ({cfg.memory.target_dtype})")
+        return llama.load_hf(m.path, dtype, shardings), {"path": m.path}
+    log(f"model {m.name}: no model.path, random weights (seed {m.seed})")
+    init = jax.jit(lambda k: targets.init_target(k, m, dtype), out_shardings=shardings)
+    return init(jax.random.PRNGKey(m.seed)), {"seed": m.seed}
 
 
 def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -> dict[str, Any]:
@@ -124,8 +191,9 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
     init_key, data_key = jax.random.split(jax.random.PRNGKey(cfg.seed))
 
     # Abstract target and state: shapes and shardings, nothing allocated, nothing trained.
-    target_abs = sharding.place(
-        jax.eval_shape(lambda k: targets.init_target(k, cfg.model), init_key), mesh, shard)
+    target_dtype = jnp.dtype(cfg.memory.target_dtype)
+    target_abs = sharding.place(jax.eval_shape(
+        lambda k: targets.init_target(k, cfg.model, target_dtype), init_key), mesh, shard)
     state_abs = sharding.place(
         jax.eval_shape(lambda k, t: init_state(k, cfg, t), init_key, target_abs), mesh, shard)
     batch_sharding = NamedSharding(mesh, P(sharding.AXIS))
@@ -135,12 +203,12 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
     step_fn = make_train_step(cfg)
 
     def compile_at(batch_size: int):
-        batch_abs = jax.ShapeDtypeStruct((batch_size, cfg.model.n_features), jnp.float32,
-                                         sharding=batch_sharding)
+        batch_abs = batch_abstract(cfg, batch_size, batch_sharding)
         parts = {"frozen target": gate_lib.tree_bytes(target_abs),
                  "components": gate_lib.tree_bytes(state_abs.components),
                  "ci function": gate_lib.tree_bytes(state_abs.ci_fn),
                  "optimizer moments": gate_lib.tree_bytes((state_abs.comp_opt, state_abs.ci_opt)),
+                 "adversary": gate_lib.tree_bytes(state_abs.adversary),
                  "step and key": gate_lib.tree_bytes((state_abs.step, state_abs.key)),
                  "batch": gate_lib.tree_bytes(batch_abs)}
         compiled, report = gate_lib.compile_and_report(
@@ -167,13 +235,8 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
     if cfg.gate.only:
         return {"gate": report}
 
-    # The target: cached by its settings, trained and checked the first time; then put
-    # into its shardings.
-    target, target_meta = targets.load_or_train_target(cfg.model, log=hooks.log)
-    target = jax.device_put(target, sharding.shardings(target_abs))
-    # Each step's batch is sampled on the devices, already split on the data axis.
-    sample = jax.jit(lambda k: targets.sample_inputs(k, cfg.model, cfg.data.batch_size),
-                     out_shardings=batch_sharding)
+    target, target_meta = load_target(cfg, target_abs, hooks.log)
+    sample = batch_sampler(cfg, batch_sharding, data_key)
 
     # State: resume from the latest complete checkpoint, or initialise fresh.
     ckpt = Checkpointer(run_dir / "checkpoints")
@@ -189,8 +252,7 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
         state = eqx.tree_at(lambda s: s.components, state, components)
         start = 0
 
-    # Train with the gated executable. The data key for step i is fold_in(data_key, i), so a
-    # resumed run sees the same batches as an uninterrupted one.
+    # Train with the gated executable.
     # With more simulated CPU devices than cores, in-flight steps can starve the collective
     # rendezvous of threads; waiting on each step avoids that.
     sync_each = jax.default_backend() == "cpu" and mesh.size > 1
@@ -204,7 +266,7 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
         last = dict(history[-1]) if history else {}
     t_log = time.perf_counter()
     for i in range(start, steps):
-        batch = sample(jax.random.fold_in(data_key, i))
+        batch = sample(i)
         state, m = compiled(state, target, batch)
         if sync_each:
             jax.block_until_ready(m)
@@ -219,6 +281,8 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
             n_steps = log_every if done % log_every == 0 else done % log_every
             last["perf/step_s"] = (now - t_log) / n_steps
             last["perf/examples_per_s"] = cfg.data.batch_size / last["perf/step_s"]
+            if cfg.model.kind == "llama":
+                last["perf/tokens_per_s"] = last["perf/examples_per_s"] * cfg.data.seq_len
             t_log = now
             last["hbm/predicted_peak_gib"] = report["peak_bytes"] / GiB
             if measured := measured_memory(mesh):
@@ -239,7 +303,7 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
             write_json(run_dir / "history.json", history)
     ckpt.close()
 
-    summary = evaluate(cfg, target, state, run_dir, hooks)
+    summary = evaluate(cfg, target, state, run_dir, batch_sharding)
     if cfg.logging.plots and history:
         summary["plots/history"] = str(plots.plot_history(history, run_dir / "history.png"))
     summary.update({k: v for k, v in last.items() if k.startswith(("loss/", "perf/"))})
@@ -253,20 +317,28 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
     return summary
 
 
+EVAL_SEED_OFFSET = 10_000  # eval batches come from their own seed, not training's
+
+
 def evaluate(cfg: RunConfig, target, state: TrainState, run_dir: Path,
-             hooks: Hooks) -> dict[str, Any]:
-    """Final metrics on fresh batches, the ground-truth match, and the plots."""
+             batch_sharding: NamedSharding) -> dict[str, Any]:
+    """Final metrics on fresh batches, the ground-truth match (toys) or CE/KL per mask type
+    (LMs), and the plots."""
     thr = cfg.loss.ci_threshold
     components = with_tied(state.components, tied_sites(cfg))
-    eval_key = jax.random.PRNGKey(cfg.seed + 10_000)
-    batches = (targets.sample_inputs(jax.random.fold_in(eval_key, i), cfg.model,
-                                     cfg.data.batch_size) for i in range(cfg.data.eval_batches))
+    eval_key = jax.random.PRNGKey(cfg.seed + EVAL_SEED_OFFSET)
+    sample = batch_sampler(cfg, batch_sharding, eval_key, EVAL_SEED_OFFSET)
+    batches = [sample(i) for i in range(cfg.data.eval_batches)]
     ci = metrics.ci_summary(target, components, state.ci_fn, batches, thr)
     summary: dict[str, Any] = {}
     for s, v in ci.items():
         summary[f"live/{s}"] = v["live"]
         summary[f"l0/{s}"] = v["l0"]
-    if isinstance(target, targets.TMS):
+    if cfg.model.kind == "llama":
+        summary.update(metrics.lm_mask_metrics(
+            target, components, state.ci_fn, batches, eval_key, thr, cfg.layers.delta,
+            jnp.dtype(cfg.memory.compute_dtype)))
+    elif isinstance(target, targets.TMS):
         summary.update(metrics.tms_ground_truth(
             target, components, {s: v["max_ci"] > thr for s, v in ci.items()}))
     else:

@@ -9,9 +9,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -20,6 +21,7 @@ import numpy as np
 import optax
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from pdecomp import llama
 from pdecomp.components import LinearFn, frozen_linear
 from pdecomp.config import ModelConfig, site_names_of
 
@@ -46,6 +48,11 @@ class TMS(eqx.Module):
             h = linear(name, h, H)
         return jax.nn.relu(linear("linear2", h, self.W.T) + self.b)
 
+    def split(self, sites: Sequence[str], dtype: Any) -> tuple[Callable, Callable]:
+        """(prefix, suffix): no layers precede the sites, so the prefix only casts."""
+        del sites
+        return (lambda x: x.astype(dtype)), self.__call__
+
     def _hidden_names(self) -> list[str]:
         n = len(self.hidden)
         return ["hidden"] if n == 1 else [f"hidden.{i}" for i in range(n)]
@@ -71,6 +78,11 @@ class ResidMLP(eqx.Module):
             resid = resid + linear(f"layers.{i}.mlp_out", h, self.W_out[i]) + self.b_out[i]
         return resid @ self.W_E.T
 
+    def split(self, sites: Sequence[str], dtype: Any) -> tuple[Callable, Callable]:
+        """(prefix, suffix): the embedding is cheap, so the prefix only casts."""
+        del sites
+        return (lambda x: x.astype(dtype)), self.__call__
+
     def site_weights(self) -> dict[str, Array]:
         out = {}
         for i in range(len(self.W_in)):
@@ -79,7 +91,7 @@ class ResidMLP(eqx.Module):
         return out
 
 
-Target = TMS | ResidMLP
+Target = TMS | ResidMLP | llama.Llama
 
 
 def sample_inputs(key: PRNGKeyArray, cfg: ModelConfig, batch_size: int
@@ -97,7 +109,11 @@ def labels(cfg: ModelConfig, x: Array) -> Array:
     return x if cfg.kind == "tms" else x + jax.nn.relu(x)
 
 
-def init_target(key: PRNGKeyArray, cfg: ModelConfig) -> Target:
+def init_target(key: PRNGKeyArray, cfg: ModelConfig, dtype: Any = jnp.float32) -> Target:
+    """A target of the right shapes with fresh weights (the gate's abstract target; a
+    pathless Llama's weights)."""
+    if cfg.kind == "llama":
+        return llama.init_llama(key, llama.arch(cfg), dtype)
     if cfg.kind == "tms":
         n, m = cfg.n_features, cfg.d_hidden
         W = jax.random.normal(key, (n, m), jnp.float32) * jnp.sqrt(2.0 / (n + m))

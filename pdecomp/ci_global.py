@@ -1,0 +1,173 @@
+"""The `global_transformer` CI function: one network over every site's input at once.
+
+Weightless RMSNorm of each site's input, concatenate along features (in the order of `d_in`),
+linear to d_model, `n_blocks` pre-norm blocks of bidirectional RoPE attention + GELU MLP,
+final norm, linear to ΣC, split per site (in the order of `C`) (SPD_SEMANTICS.md, "CI
+function").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from pdecomp.llama import apply_rope, rms_norm
+
+ROPE_THETA = 10000.0
+NORM_EPS = 1e-6
+# Block output projections start at this fraction of the 1/sqrt(fan_in) scale: the residual
+# stream starts close to the input projection (near identity) while every weight inside the
+# blocks still gets a gradient from the first step (an exactly-zero output projection would
+# leave all the weights behind it without one until it moved).
+RESID_OUT_SCALE = 0.1
+# Logit head std, times 1/sqrt(d_model). Small weights and zero bias make every initial logit
+# ≈ 0 (|logit| ~ 0.1), so no component starts out saturated or with a large importance and the
+# random features of the untrained network do not set the starting CI pattern.
+LOGIT_SCALE = 0.1
+
+
+def _normal(key: PRNGKeyArray, shape: tuple[int, ...], std: float) -> Array:
+    return jax.random.normal(key, shape, jnp.float32) * std
+
+
+def global_transformer_param_count(d_in: Mapping[str, int], C: Mapping[str, int],
+                                   d_model: int, n_blocks: int, d_mlp: int) -> int:
+    """Parameters of `GlobalCITransformer.init(..)` with these sizes (all fp32)."""
+    D, S = sum(d_in.values()), sum(C.values())
+    per_block = 4 * d_model * d_model + 2 * d_model * d_mlp + 2 * d_model
+    return D * d_model + d_model + n_blocks * per_block + d_model + d_model * S + S
+
+
+class GlobalCITransformer(eqx.Module):
+    """Global CI network; logits for every site from all sites' inputs.
+
+    Block norms (attention, MLP, final) are RMSNorms with a *learnable* scale (init 1); the
+    per-site input norms are weightless, so each site's input scale is irrelevant. Block
+    weights are stacked on a leading `n_blocks` axis and run with `lax.scan`. Projections
+    have no biases except the input and logit linears. Weights are [d_in, d_out].
+    """
+
+    w_in: Float[Array, "D d_model"]
+    b_in: Float[Array, " d_model"]
+    attn_norm: Float[Array, "L d_model"]
+    wq: Float[Array, "L d_model d_model"]
+    wk: Float[Array, "L d_model d_model"]
+    wv: Float[Array, "L d_model d_model"]
+    wo: Float[Array, "L d_model d_model"]
+    mlp_norm: Float[Array, "L d_model"]
+    w_up: Float[Array, "L d_model d_mlp"]
+    w_down: Float[Array, "L d_mlp d_model"]
+    final_norm: Float[Array, " d_model"]
+    w_out: Float[Array, "d_model S"]
+    b_out: Float[Array, " S"]
+    sites: tuple[str, ...] = eqx.field(static=True)
+    d_in: tuple[int, ...] = eqx.field(static=True)
+    C: tuple[int, ...] = eqx.field(static=True)
+    n_heads: int = eqx.field(static=True)
+
+    @staticmethod
+    def init(key: PRNGKeyArray, d_in: Mapping[str, int], C: Mapping[str, int], d_model: int,
+             n_blocks: int, n_heads: int, d_mlp: int) -> GlobalCITransformer:
+        if list(d_in) != list(C):
+            raise ValueError(f"d_in and C must name the same sites in the same order; got "
+                             f"{list(d_in)} and {list(C)}")
+        if not C:
+            raise ValueError("global_transformer needs at least one site")
+        if min(d_model, n_blocks, n_heads, d_mlp) < 1:
+            raise ValueError(f"d_model, n_blocks, n_heads, d_mlp must be >= 1; got "
+                             f"{d_model}, {n_blocks}, {n_heads}, {d_mlp}")
+        if d_model % n_heads:
+            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        if (d_model // n_heads) % 2:
+            raise ValueError(f"d_head = d_model // n_heads = {d_model // n_heads} must be even "
+                             "(RoPE rotates pairs)")
+        D, S, L = sum(d_in.values()), sum(C.values()), n_blocks
+        k = jax.random.split(key, 8)
+        sd, sm = 1 / math.sqrt(d_model), 1 / math.sqrt(d_mlp)
+        return GlobalCITransformer(
+            w_in=_normal(k[0], (D, d_model), 1 / math.sqrt(D)),
+            b_in=jnp.zeros((d_model,), jnp.float32),
+            attn_norm=jnp.ones((L, d_model), jnp.float32),
+            wq=_normal(k[1], (L, d_model, d_model), sd),
+            wk=_normal(k[2], (L, d_model, d_model), sd),
+            wv=_normal(k[3], (L, d_model, d_model), sd),
+            wo=_normal(k[4], (L, d_model, d_model), RESID_OUT_SCALE * sd),
+            mlp_norm=jnp.ones((L, d_model), jnp.float32),
+            w_up=_normal(k[5], (L, d_model, d_mlp), sd),
+            w_down=_normal(k[6], (L, d_mlp, d_model), RESID_OUT_SCALE * sm),
+            final_norm=jnp.ones((d_model,), jnp.float32),
+            w_out=_normal(k[7], (d_model, S), LOGIT_SCALE * sd),
+            b_out=jnp.zeros((S,), jnp.float32),
+            sites=tuple(C), d_in=tuple(d_in[s] for s in C), C=tuple(C.values()),
+            n_heads=n_heads)
+
+    def __call__(self, site_inputs: Mapping[str, Array], components=None
+                 ) -> dict[str, Float[Array, "*pos C"]]:
+        """site_inputs[s]: [*batch, T, d_in[s]], or [B, d_in[s]] (each row a length-1
+        sequence). Every site must have the same leading shape. Returns fp32 logits
+        [*batch, T, C[s]] (resp. [B, C[s]]) per site. `components` is unused."""
+        del components
+        xs = [site_inputs[s] for s in self.sites]
+        for s, x, d in zip(self.sites, xs, self.d_in):
+            if x.ndim < 2 or x.shape[-1] != d:
+                raise ValueError(f"site {s!r}: input of shape {x.shape}, expected [..., {d}]")
+        lead = xs[0].shape[:-1]
+        if any(x.shape[:-1] != lead for x in xs):
+            raise ValueError(f"site inputs must share their leading shape; got "
+                             f"{ {s: x.shape for s, x in zip(self.sites, xs)} }")
+        no_pos = xs[0].ndim == 2
+        if no_pos:
+            xs = [x[:, None, :] for x in xs]
+        dtype = jnp.result_type(*xs)
+        x = jnp.concatenate([rms_norm(x, jnp.ones((), x.dtype), NORM_EPS).astype(dtype)
+                             for x in xs], axis=-1)
+        h = x @ self.w_in.astype(dtype) + self.b_in.astype(dtype)
+        cos, sin = _rope(h.shape[-2], self.wq.shape[-1] // self.n_heads)
+        blocks = (self.attn_norm, self.wq, self.wk, self.wv, self.wo, self.mlp_norm,
+                  self.w_up, self.w_down)
+
+        def body(h, w):
+            return self._block(h, w, cos, sin), None
+
+        h, _ = jax.lax.scan(body, h, blocks)
+        h = rms_norm(h, self.final_norm.astype(dtype), NORM_EPS)
+        # bf16 operands, fp32 result: the logits are compared with the 0 and 1 of the squashings
+        logits = jnp.matmul(h, self.w_out.astype(dtype),
+                            preferred_element_type=jnp.float32) + self.b_out
+        if no_pos:
+            logits = logits[:, 0, :]
+        splits = [sum(self.C[:i]) for i in range(1, len(self.C))]
+        return dict(zip(self.sites, jnp.split(logits, splits, axis=-1), strict=True))
+
+    def _block(self, h: Float[Array, "*b t d"], w: tuple[Array, ...], cos: Array, sin: Array
+               ) -> Array:
+        attn_norm, wq, wk, wv, wo, mlp_norm, w_up, w_down = (a.astype(h.dtype) for a in w)
+        n_h = self.n_heads
+        d_head = h.shape[-1] // n_h
+        heads = (*h.shape[:-1], n_h, d_head)
+        x = rms_norm(h, attn_norm, NORM_EPS)
+        # RoPE in fp32 (its cos/sin are fp32), then back to the compute dtype for the matmuls
+        q = apply_rope((x @ wq).reshape(heads).astype(jnp.float32), cos, sin).astype(h.dtype)
+        k = apply_rope((x @ wk).reshape(heads).astype(jnp.float32), cos, sin).astype(h.dtype)
+        v = (x @ wv).reshape(heads)
+        scores = jnp.einsum("...qhd,...khd->...hqk", q, k,
+                            preferred_element_type=jnp.float32) / math.sqrt(d_head)
+        probs = jax.nn.softmax(scores, axis=-1).astype(h.dtype)  # no mask: bidirectional
+        ctx = jnp.einsum("...hqk,...khd->...qhd", probs, v).reshape(h.shape)
+        h = h + ctx @ wo
+        x = rms_norm(h, mlp_norm, NORM_EPS)
+        return h + jax.nn.gelu(x @ w_up) @ w_down
+
+
+def _rope(t: int, d_head: int) -> tuple[Array, Array]:
+    """cos, sin [t, 1 (heads), d_head] in fp32 for positions 0..t-1 (theta ROPE_THETA), in the
+    half-split layout of `llama.apply_rope`."""
+    inv_freq = 1.0 / (ROPE_THETA ** (jnp.arange(0, d_head, 2, dtype=jnp.float32) / d_head))
+    freqs = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq[None]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]
+    return jnp.cos(emb), jnp.sin(emb)

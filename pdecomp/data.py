@@ -1,0 +1,227 @@
+"""Token streams for language-model targets: one fresh batch of fixed-length windows per step.
+
+Every source is one flat stream of token ids; a batch is `batch_size` windows of `seq_len`
+consecutive tokens. Three sources (`TokenSpec.source`, config key `data.source`):
+
+``synthetic``
+    No file. Ids drawn i.i.d. from a fixed Zipf-like distribution over the vocab
+    (p(id) ∝ 1 / (id + 1)), so the model sees non-uniform statistics without any data.
+
+``tokens`` — a flat binary token file
+    The nanoGPT / llm.c convention without a header: the whole file is an array of token
+    ids, little-endian, either ``uint16`` (2 bytes each) or ``uint32`` (4 bytes each), as
+    named by ``data.token_dtype``. No header, no separators: documents are back to back
+    (put an end-of-text id between them if the model expects one). The file size must be a
+    multiple of the item size. It is memory-mapped, so only the windows drawn are read.
+    Write one with ``np.asarray(ids, dtype="<u2").tofile(path)``.
+
+``hf_dataset`` — a directory written by ``datasets.Dataset.save_to_disk``
+    ``state.json`` lists ``_data_files`` (``[{"filename": "data-00000-of-00001.arrow"},
+    ...]``), each an Arrow IPC *stream* file, in order. Column ``data.column`` (e.g.
+    ``input_ids``) holds one list of integer token ids per document (``list<int*>``,
+    ``large_list`` or ``fixed_size_list``). The documents, in file then row order, are
+    concatenated back to back into one int32 stream held in memory. A ``DatasetDict``
+    directory (``dataset_dict.json`` with ``{"splits": [...]}`` and one sub-directory per
+    split) is read from its ``train`` split. Only pyarrow is needed to read it.
+
+Batches: for step `s` the window starts are `batch_size` draws, uniform on
+[0, n_tokens - seq_len], from ``np.random.default_rng([seed, s])``. A batch is therefore a
+pure function of (seed, step, batch_size): a resumed run sees the batches it would have
+seen, and each host can read only its own rows (`rows(s, B, slice(a, b))` draws all B
+starts, which is cheap, but reads only rows a..b). Synthetic rows are seeded per row from
+[seed, step, row] for the same reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from pdecomp.config import DATA_SOURCES, TOKEN_DTYPES, ConfigError
+
+TOKEN_SOURCES = tuple(s for s in DATA_SOURCES if s != "toy")
+
+# Checked when a stream is opened: enough to catch a wrong dtype or tokenizer in
+# milliseconds, without reading a multi-GB file. Every batch is checked again anyway.
+_SAMPLE_TOKENS = 1_000_000
+
+
+@dataclass(frozen=True)
+class TokenSpec:
+    """What to read; built by the caller from the run config."""
+
+    source: str  # one of TOKEN_SOURCES
+    path: str  # file (tokens) or directory (hf_dataset); ignored for synthetic
+    token_dtype: str  # one of TOKEN_DTYPES; for source=tokens
+    column: str  # hf_dataset column holding token ids, e.g. "input_ids"
+    seq_len: int
+    vocab_size: int  # the model's; every token id must be < this
+    seed: int
+
+
+@dataclass(frozen=True, eq=False)  # eq would compare arrays elementwise
+class TokenStream:
+    """A flat token stream (or the synthetic distribution) and the batches drawn from it."""
+
+    spec: TokenSpec
+    tokens: np.ndarray | None  # flat ids (memmap or in memory); None for synthetic
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens in the stream; 0 for synthetic (unbounded)."""
+        return 0 if self.tokens is None else len(self.tokens)
+
+    def rows(self, step: int, batch_size: int, index: slice = slice(None)) -> np.ndarray:
+        """int32 [rows in `index`, seq_len]: rows `index` of the global batch of `step`."""
+        if step < 0 or batch_size <= 0:
+            raise ValueError(f"need step >= 0 and batch_size > 0; got {step=}, {batch_size=}")
+        picked = range(batch_size)[index]
+        L, seed = self.spec.seq_len, self.spec.seed
+        if self.tokens is None:
+            cdf = _zipf_cdf(self.spec.vocab_size)
+            out = np.empty((len(picked), L), dtype=np.int32)
+            for i, r in enumerate(picked):
+                u = np.random.default_rng([seed, step, r]).random(L)
+                out[i] = np.minimum(np.searchsorted(cdf, u, side="right"), len(cdf) - 1)
+            return out
+        starts = window_starts(seed, step, batch_size, self.n_tokens, L)[picked]
+        # Fancy indexing a memmap reads only the pages of the chosen windows.
+        windows = self.tokens[starts[:, None] + np.arange(L)]
+        if windows.size and (top := int(windows.max())) >= self.spec.vocab_size:
+            raise ValueError(f"token id {top} in the batch of step {step} is >= the model's "
+                             f"vocab size {self.spec.vocab_size} (source {self.spec.path})")
+        return windows.astype(np.int32)
+
+
+def window_starts(seed: int, step: int, batch_size: int, n_tokens: int, seq_len: int
+                  ) -> np.ndarray:
+    """The `batch_size` window starts of `step`, uniform on [0, n_tokens - seq_len]."""
+    rng = np.random.default_rng([seed, step])
+    return rng.integers(0, n_tokens - seq_len, size=batch_size, endpoint=True)
+
+
+def open_tokens(spec: TokenSpec) -> TokenStream:
+    """Check `spec` and open its stream. Raises ConfigError on bad input, reading little."""
+    if spec.source not in TOKEN_SOURCES:
+        raise ConfigError("data.source", spec.source, f"allowed: {', '.join(TOKEN_SOURCES)}")
+    if spec.seq_len <= 0:
+        raise ConfigError("data.seq_len", spec.seq_len, "must be > 0")
+    if spec.vocab_size <= 0:
+        raise ConfigError("model.vocab_size", spec.vocab_size, "must be > 0")
+    if spec.seed < 0:  # numpy's SeedSequence takes only non-negative entropy
+        raise ConfigError("seed", spec.seed, "must be >= 0")
+    if spec.source == "synthetic":
+        return TokenStream(spec, None)
+    tokens = _open_flat_file(spec) if spec.source == "tokens" else _open_hf_dataset(spec)
+    n = len(tokens)
+    if n < spec.seq_len + 1:
+        raise ConfigError("data.seq_len", spec.seq_len,
+                          f"{spec.path} holds {n} tokens; needs at least seq_len + 1")
+    _check_ids(spec, tokens[:_SAMPLE_TOKENS])
+    return TokenStream(spec, tokens)
+
+
+def _open_flat_file(spec: TokenSpec) -> np.ndarray:
+    if spec.token_dtype not in TOKEN_DTYPES:
+        raise ConfigError("data.token_dtype", spec.token_dtype,
+                          f"allowed: {', '.join(TOKEN_DTYPES)}")
+    path = Path(spec.path)
+    if not path.is_file():
+        raise ConfigError("data.path", spec.path, "no such token file (source=tokens)")
+    dtype = np.dtype(spec.token_dtype).newbyteorder("<")
+    size = path.stat().st_size
+    if size % dtype.itemsize:
+        raise ConfigError("data.token_dtype", spec.token_dtype,
+                          f"{spec.path} has {size} bytes, not a multiple of {dtype.itemsize}")
+    if size == 0:  # np.memmap refuses an empty file; the length check reports it
+        return np.empty(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def _open_hf_dataset(spec: TokenSpec) -> np.ndarray:
+    root = _dataset_dir(spec)
+    try:
+        state = json.loads((root / "state.json").read_text())
+        files = [root / f["filename"] for f in state["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError("data.path", spec.path, f"unreadable state.json ({e})") from e
+    if missing := [str(f) for f in files if not f.is_file()]:
+        raise ConfigError("data.path", spec.path, f"data files missing: {', '.join(missing)}")
+
+    # Flattened columns are zero-copy views of the memory-mapped files; only the int32
+    # result is ever in memory, with no intermediate concatenation.
+    chunks: list[pa.Array] = []
+    for f in files:
+        reader = pa.ipc.open_stream(pa.memory_map(str(f), "r"))
+        _check_column(spec, reader.schema)
+        for batch in reader:
+            chunks.append(batch.column(spec.column).flatten())
+    out = np.empty(sum(len(c) for c in chunks), dtype=np.int32)
+    at = 0
+    for c in chunks:
+        if c.null_count:
+            raise ConfigError("data.column", spec.column, "holds null token ids")
+        ids = c.to_numpy(zero_copy_only=False)
+        # Checked before the cast to int32, which would wrap out-of-range ids.
+        _check_ids(spec, ids, offset=at)
+        out[at:at + len(ids)] = ids
+        at += len(ids)
+    return out
+
+
+def _dataset_dir(spec: TokenSpec) -> Path:
+    """The directory holding state.json: `path` itself, or the train split of a DatasetDict."""
+    root = Path(spec.path)
+    if not root.is_dir():
+        raise ConfigError("data.path", spec.path, "no such directory (source=hf_dataset)")
+    if (root / "state.json").is_file():
+        return root
+    if (root / "dataset_dict.json").is_file():
+        try:
+            splits = json.loads((root / "dataset_dict.json").read_text())["splits"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError("data.path", spec.path,
+                              f"unreadable dataset_dict.json ({e})") from e
+        if "train" not in splits or not (root / "train" / "state.json").is_file():
+            raise ConfigError("data.path", spec.path, f"a DatasetDict with splits "
+                              f"{', '.join(map(str, splits))}; needs a 'train' split")
+        return root / "train"
+    raise ConfigError("data.path", spec.path, "no state.json or dataset_dict.json; save it "
+                      "with datasets' save_to_disk")
+
+
+def _check_column(spec: TokenSpec, schema: pa.Schema) -> None:
+    if spec.column not in schema.names:
+        raise ConfigError("data.column", spec.column,
+                          f"columns present: {', '.join(schema.names)}")
+    t = schema.field(spec.column).type
+    is_list = pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+    if not (is_list and pa.types.is_integer(t.value_type)):
+        raise ConfigError("data.column", spec.column,
+                          f"must hold lists of integer token ids; its type is {t}")
+
+
+def _check_ids(spec: TokenSpec, ids: np.ndarray, offset: int = 0) -> None:
+    if not len(ids):
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0:
+        raise ConfigError("data.path", spec.path, f"holds negative token id {lo}")
+    if hi >= spec.vocab_size:
+        at = offset + int(np.argmax(ids >= spec.vocab_size))
+        hint = "; check data.token_dtype" if spec.source == "tokens" else ""
+        raise ConfigError("data.path", spec.path, f"holds token id {hi} >= model vocab size "
+                          f"{spec.vocab_size} (the first such id is token {at}){hint}")
+
+
+@functools.lru_cache(maxsize=8)
+def _zipf_cdf(vocab_size: int) -> np.ndarray:
+    p = 1.0 / np.arange(1, vocab_size + 1, dtype=np.float64)
+    cdf = np.cumsum(p)
+    return cdf / cdf[-1]
+

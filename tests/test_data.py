@@ -1,0 +1,188 @@
+"""Token streams (pdecomp.data): the file formats, batch determinism, and bad-input errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pdecomp.config import ConfigError
+from pdecomp.data import TokenSpec, TokenStream, open_tokens, window_starts
+
+SEQ, VOCAB, BATCH = 16, 70_000, 12
+
+
+def spec(source: str = "tokens", path: str | Path = "", **kw) -> TokenSpec:
+    base = TokenSpec(source, str(path), token_dtype="uint16", column="input_ids", seq_len=SEQ,
+                     vocab_size=VOCAB, seed=3)
+    return dataclasses.replace(base, **kw)
+
+
+def is_window_of(row: np.ndarray, flat: np.ndarray) -> bool:
+    """`row` equals some contiguous window of `flat`."""
+    windows = np.lib.stride_tricks.sliding_window_view(flat, len(row))
+    return bool((windows == row).all(axis=1).any())
+
+
+def check_batches(stream: TokenStream, flat: np.ndarray) -> None:
+    """Rows are windows of `flat`; a step's batch is fixed, other steps differ; slices agree."""
+    assert stream.n_tokens == len(flat)
+    b0 = stream.rows(0, BATCH)
+    assert b0.shape == (BATCH, SEQ) and b0.dtype == np.int32
+    starts = window_starts(3, 0, BATCH, len(flat), SEQ)
+    for row, s in zip(b0, starts, strict=True):
+        np.testing.assert_array_equal(row, flat[s:s + SEQ])
+    assert all(is_window_of(r, flat) for r in stream.rows(5, BATCH))
+    np.testing.assert_array_equal(stream.rows(0, BATCH), b0)
+    assert not np.array_equal(stream.rows(1, BATCH), b0)
+    full = stream.rows(7, BATCH)
+    for sl in (slice(0, 4), slice(4, 12), slice(10, None), slice(3, 3)):
+        np.testing.assert_array_equal(stream.rows(7, BATCH, sl), full[sl])
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_flat_file_round_trip(tmp_path, dtype):
+    rng = np.random.default_rng(0)
+    # uint32 ids above 65535 show the file is read as 4-byte items, not pairs of uint16.
+    high = 60_000 if dtype == "uint16" else VOCAB
+    flat = rng.integers(0, high, size=5_000).astype(np.dtype(dtype).newbyteorder("<"))
+    path = tmp_path / "train.bin"
+    flat.tofile(path)
+    stream = open_tokens(spec("tokens", path, token_dtype=dtype))
+    check_batches(stream, flat.astype(np.int64))
+    if dtype == "uint32":
+        assert stream.rows(0, BATCH).max() > 65_535
+
+
+def test_window_starts_cover_both_ends():
+    starts = window_starts(0, 0, 2_000, n_tokens=SEQ + 2, seq_len=SEQ)
+    assert set(starts.tolist()) == {0, 1, 2}
+
+
+def save_docs(tmp_path: Path, docs: list[list[int]], *, as_dict: bool = False,
+              shards: int = 1) -> Path:
+    from datasets import Dataset, DatasetDict
+
+    ds = Dataset.from_dict({"input_ids": docs, "text": [str(len(d)) for d in docs]})
+    out = tmp_path / "ds"
+    if as_dict:
+        dd = DatasetDict({"train": ds, "validation": ds.select([0])})
+        dd.save_to_disk(out, num_shards={"train": shards, "validation": 1})
+    else:
+        ds.save_to_disk(out, num_shards=shards)
+    return out
+
+
+def random_docs(n: int = 40) -> list[list[int]]:
+    rng = np.random.default_rng(1)
+    return [rng.integers(0, VOCAB, size=rng.integers(1, 60)).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize(("as_dict", "shards"), [(False, 1), (True, 3)])
+def test_hf_dataset_is_the_concatenated_documents(tmp_path, as_dict, shards):
+    docs = random_docs()
+    path = save_docs(tmp_path, docs, as_dict=as_dict, shards=shards)
+    if shards > 1:
+        state = json.loads((path / "train" / "state.json").read_text())
+        assert len(state["_data_files"]) == shards  # the order across files is exercised
+    stream = open_tokens(spec("hf_dataset", path))
+    flat = np.concatenate([np.asarray(d) for d in docs])
+    np.testing.assert_array_equal(stream.tokens, flat)
+    check_batches(stream, flat)
+
+
+def test_synthetic_is_deterministic_zipf_like():
+    s = open_tokens(spec("synthetic", vocab_size=1_000))
+    assert s.n_tokens == 0
+    b = s.rows(4, BATCH)
+    assert b.shape == (BATCH, SEQ) and b.dtype == np.int32
+    assert b.min() >= 0 and b.max() < 1_000
+    np.testing.assert_array_equal(s.rows(4, BATCH), b)
+    assert not np.array_equal(s.rows(5, BATCH), b)
+    np.testing.assert_array_equal(s.rows(4, BATCH, slice(5, 9)), b[5:9])
+    other_seed = open_tokens(spec("synthetic", vocab_size=1_000, seed=4))
+    assert not np.array_equal(other_seed.rows(4, BATCH), b)
+    ids = s.rows(0, 256).ravel()
+    assert (ids < 10).mean() > 0.3  # p(id < 10) is about 0.39 for 1/(id+1) over 1000 ids
+
+
+def test_batch_with_out_of_range_id_raises(tmp_path):
+    # The open-time check samples only the first 1M tokens; each batch is checked too.
+    path = tmp_path / "t.bin"
+    np.full(SEQ * 4, 500, dtype="<u2").tofile(path)
+    stream = open_tokens(spec("tokens", path))
+    small = TokenStream(spec("tokens", path, vocab_size=100), stream.tokens)
+    with pytest.raises(ValueError, match="token id 500"):
+        small.rows(0, 2)
+
+
+def write(path: Path, ids, dtype: str = "<u2") -> Path:
+    np.asarray(ids, dtype=dtype).tofile(path)
+    return path
+
+
+def make_bad(tmp_path: Path, case: str) -> TokenSpec:
+    ok = np.arange(100) % 50
+    if case == "missing file":
+        return spec("tokens", tmp_path / "nope.bin")
+    if case == "odd size":
+        path = tmp_path / "t.bin"
+        path.write_bytes(b"\x01\x00" * 7)
+        return spec("tokens", path, token_dtype="uint32")
+    if case == "too short":
+        return spec("tokens", write(tmp_path / "t.bin", np.arange(SEQ)))
+    if case == "empty":
+        return spec("tokens", write(tmp_path / "t.bin", []))
+    if case == "id >= vocab":
+        return spec("tokens", write(tmp_path / "t.bin", [*ok, 60_000]), vocab_size=50)
+    if case == "bad dtype":
+        return spec("tokens", write(tmp_path / "t.bin", ok), token_dtype="int8")
+    if case == "bad source":
+        return spec("parquet", tmp_path)
+    if case == "missing dir":
+        return spec("hf_dataset", tmp_path / "nope")
+    if case == "no state.json":
+        return spec("hf_dataset", tmp_path)
+    if case == "hf column missing":
+        return spec("hf_dataset", save_docs(tmp_path, random_docs()), column="tokens")
+    if case == "hf column not ids":
+        return spec("hf_dataset", save_docs(tmp_path, random_docs()), column="text")
+    if case == "hf too short":
+        return spec("hf_dataset", save_docs(tmp_path, [[1, 2], [3]]))
+    if case == "hf id >= vocab":
+        return spec("hf_dataset", save_docs(tmp_path, [[1] * 40, [2, 99]]), vocab_size=50)
+    if case == "hf no train split":
+        from datasets import Dataset, DatasetDict
+
+        ds = Dataset.from_dict({"input_ids": random_docs()})
+        DatasetDict({"test": ds}).save_to_disk(tmp_path / "dd")
+        return spec("hf_dataset", tmp_path / "dd")
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize(("case", "key", "words"), [
+    ("missing file", "data.path", "no such token file"),
+    ("odd size", "data.token_dtype", "14 bytes"),
+    ("too short", "data.seq_len", "holds 16 tokens"),
+    ("empty", "data.seq_len", "holds 0 tokens"),
+    ("id >= vocab", "data.path", "token id 60000 >= model vocab size 50"),
+    ("bad dtype", "data.token_dtype", "uint16, uint32"),
+    ("bad source", "data.source", "synthetic, tokens, hf_dataset"),
+    ("missing dir", "data.path", "no such directory"),
+    ("no state.json", "data.path", "state.json"),
+    ("hf column missing", "data.column", "columns present: input_ids, text"),
+    ("hf column not ids", "data.column", "lists of integer token ids"),
+    ("hf too short", "data.seq_len", "holds 3 tokens"),
+    ("hf id >= vocab", "data.path", "token id 99 >= model vocab size 50"),
+    ("hf no train split", "data.path", "splits test; needs a 'train' split"),
+])
+def test_bad_input_raises_config_error(tmp_path, case, key, words):
+    bad = make_bad(tmp_path, case)
+    with pytest.raises(ConfigError) as e:
+        open_tokens(bad)
+    assert e.value.key == key
+    assert words in str(e.value)
+    assert "\n" not in str(e.value)
