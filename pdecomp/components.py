@@ -84,12 +84,20 @@ class SiteMask(NamedTuple):
     routed: Bool[Array, "*pos"] | None  # None: routed everywhere
 
 
-def masked_linear(components: Components, site_masks: Mapping[str, SiteMask]) -> LinearFn:
+def weight_deltas(weights: Mapping[str, Array], components: Components) -> dict[str, Array]:
+    """Δ = W − V@U per site, fp32: computed once per step and shared by every forward (and
+    by faithfulness), rather than once per forward."""
+    return {s: weights[s].astype(jnp.float32) - c.weight for s, c in components.sites.items()}
+
+
+def masked_linear(components: Components, site_masks: Mapping[str, SiteMask],
+                  deltas: Mapping[str, Array] | None = None) -> LinearFn:
     """The linear fn of a forward whose live sites are the keys of `site_masks`.
 
-    A live site computes `((x @ V) * mask) @ U + (x @ Δ) * delta_mask` with Δ = W − V@U, and
-    the frozen `x @ W` where it is not routed. Every other site stays on the frozen path, so
-    it creates no [*, C] tensors and gives its V/U no gradient.
+    A live site computes `((x @ V) * mask) @ U + (x @ Δ) * delta_mask` with Δ = W − V@U
+    (from `deltas` when given), and the frozen `x @ W` where it is not routed. Every other
+    site stays on the frozen path, so it creates no [*, C] tensors and gives its V/U no
+    gradient.
     """
 
     def linear(site: str, x: Array, W: Array) -> Array:
@@ -101,7 +109,8 @@ def masked_linear(components: Components, site_masks: Mapping[str, SiteMask]) ->
         inner = checkpoint_name(x @ comp.V.astype(dt), "site_inner")
         y = (inner * m.mask.astype(dt)) @ comp.U.astype(dt)
         if m.delta_mask is not None:
-            delta = (W.astype(jnp.float32) - comp.weight).astype(dt)
+            delta = (deltas[site] if deltas is not None else
+                     W.astype(jnp.float32) - comp.weight).astype(dt)
             y = y + (x @ delta) * m.delta_mask[..., None].astype(dt)
         if m.routed is not None:
             y = jnp.where(m.routed[..., None], y, frozen_linear(site, x, W))

@@ -184,9 +184,11 @@ class Llama(eqx.Module):
         return self.embed[tokens]
 
     def run_layers(self, h: Array, start: int, stop: int, linear: LinearFn = frozen_linear,
-                   hooked: Sequence[int] = ()) -> Array:
+                   hooked: Sequence[int] = (), streams: dict[int, Array] | None = None
+                   ) -> Array:
         """Layers [start, stop): those in `hooked` unrolled with named sites, runs of the
-        others under one scan each (compile time flat in depth)."""
+        others under one scan each (compile time flat in depth). `streams`, when given,
+        receives the residual stream entering each hooked layer."""
         rope = self.rope(h.shape[1])
         i = start
         while i < stop:
@@ -195,6 +197,8 @@ class Llama(eqx.Module):
                     part = "self_attn" if name in ATTN else "mlp"
                     return linear(f"layers.{i}.{part}.{name}", x, W)
 
+                if streams is not None:
+                    streams[i] = h
                 h = self.block(h, self.layer(i), rope, site_linear)
                 i += 1
                 continue
@@ -211,17 +215,32 @@ class Llama(eqx.Module):
         return h
 
     def split(self, sites: Sequence[str], dtype: Any) -> tuple[Callable, Callable]:
-        """(prefix, suffix) around the first layer that holds a site: the prefix (embedding
-        and the layers before it) runs once per batch outside every gradient graph; the
-        suffix runs the rest with the site layers unrolled and returns the logits."""
+        """(prefix, suffix) around the first layer that holds a site.
+
+        The prefix (embedding and the layers before it) runs once per batch outside every
+        gradient graph. `suffix(h, linear, streams=None, live=None)` runs the rest with the
+        site layers unrolled and returns the logits; the clean forward passes `streams` to
+        collect the residual entering each site layer. A forward whose live sites are
+        `live` starts from the clean stream at its first live layer (the layers before it
+        are all frozen, so the result is the same) and unrolls only the live layers: a
+        chunk's forward costs its own layers and those after it, not the whole suffix.
+        """
         hooked = sorted({site_layer(s) for s in sites})
         start = hooked[0]
 
         def prefix(tokens: Array) -> Array:
             return self.run_layers(self.embed_tokens(tokens).astype(dtype), 0, start)
 
-        def suffix(h: Array, linear: LinearFn = frozen_linear) -> Array:
-            return self.logits(self.run_layers(h, start, self.n_layers, linear, hooked))
+        def suffix(h: Array, linear: LinearFn = frozen_linear,
+                   streams: dict[int, Array] | None = None,
+                   live: Sequence[str] | None = None) -> Array:
+            if live is None or not streams:
+                return self.logits(self.run_layers(h, start, self.n_layers, linear, hooked,
+                                                   streams))
+            live_layers = sorted({site_layer(s) for s in live})
+            first = live_layers[0]
+            return self.logits(self.run_layers(streams[first], first, self.n_layers, linear,
+                                               live_layers))
 
         return prefix, suffix
 

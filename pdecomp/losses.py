@@ -8,15 +8,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from pdecomp.components import Components
 
-
-def faithfulness(weights: Mapping[str, Array], components: Components) -> Float[Array, ""]:
-    """Σ_sites ‖W − V@U‖²_F / Σ_sites numel(W), in fp32 whatever W is stored as."""
-    sq = sum(jnp.sum((weights[s].astype(jnp.float32) - c.weight) ** 2)
-             for s, c in components.sites.items())
-    n = sum(weights[s].size for s in components.sites)
-    return sq / n
+def faithfulness(deltas: Mapping[str, Array]) -> Float[Array, ""]:
+    """Σ_sites ‖W − V@U‖²_F / Σ_sites numel(W), in fp32, from the deltas W − V@U
+    (`components.weight_deltas`)."""
+    sq = sum(jnp.sum(d.astype(jnp.float32) ** 2) for d in deltas.values())
+    return sq / sum(d.size for d in deltas.values())
 
 
 def p_at(step: Array | int, total_steps: int, p_start: float, p_end: float,

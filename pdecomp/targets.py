@@ -51,7 +51,8 @@ class TMS(eqx.Module):
     def split(self, sites: Sequence[str], dtype: Any) -> tuple[Callable, Callable]:
         """(prefix, suffix): no layers precede the sites, so the prefix only casts."""
         del sites
-        return (lambda x: x.astype(dtype)), self.__call__
+        return (lambda x: x.astype(dtype)), lambda x, linear, streams=None, live=None: self(
+            x, linear)
 
     def _hidden_names(self) -> list[str]:
         n = len(self.hidden)
@@ -81,7 +82,8 @@ class ResidMLP(eqx.Module):
     def split(self, sites: Sequence[str], dtype: Any) -> tuple[Callable, Callable]:
         """(prefix, suffix): the embedding is cheap, so the prefix only casts."""
         del sites
-        return (lambda x: x.astype(dtype)), self.__call__
+        return (lambda x: x.astype(dtype)), lambda x, linear, streams=None, live=None: self(
+            x, linear)
 
     def site_weights(self) -> dict[str, Array]:
         out = {}

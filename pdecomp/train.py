@@ -26,8 +26,8 @@ from jaxtyping import Array, PRNGKeyArray
 
 from pdecomp import losses
 from pdecomp.ci import CIFunction, ci_lower, ci_upper
-from pdecomp.components import Components, masked_linear, recording_linear, with_tied
-from pdecomp.config import (OptGroupConfig, PGDConfig, RunConfig, site_C, tied_sites)
+from pdecomp.components import Components, masked_linear, recording_linear, weight_deltas, with_tied
+from pdecomp.config import OptGroupConfig, PGDConfig, RunConfig, site_C, tied_sites
 from pdecomp.masks import Plan, make_plan, masks_from_sources, sample_forward_masks
 
 
@@ -210,7 +210,7 @@ def faithfulness_warmup(cfg: RunConfig, components: Components, target) -> Compo
     weights = {s: W for s, W in target.site_weights().items() if s in sites}
 
     def faith(comps):
-        return losses.faithfulness(weights, with_tied(comps, tied))
+        return losses.faithfulness(weight_deltas(weights, with_tied(comps, tied)))
 
     @jax.jit
     def run(components):
@@ -246,31 +246,41 @@ def make_train_step(cfg: RunConfig) -> Callable:
         # which gives the recon target and the CI function's inputs.
         resid = jax.lax.stop_gradient(prefix(batch))
         recorded: dict[str, Array] = {}
-        clean = suffix(resid, recording_linear(recorded))
+        streams: dict[int, Array] = {}  # LMs: the residual entering each site layer
+        clean = suffix(resid, recording_linear(recorded), streams=streams)
         site_inputs = jax.lax.stop_gradient({s: recorded[s] for s in spec.sites})
+        streams = jax.lax.stop_gradient(streams)
         recon_target = jax.lax.stop_gradient(losses.recon_target(spec.distance, clean))
 
-        def forward_distance(components: Components, masks: dict, resid: Array,
-                             recon_target: Array) -> Array:
-            return distance(suffix(resid, masked_linear(components, masks)), recon_target)
+        def forward_distance(components: Components, deltas: dict, masks: dict,
+                             streams: dict, recon_target: Array) -> Array:
+            # A forward starts at its first live layer, from the clean stream there.
+            out = suffix(resid, masked_linear(components, masks, deltas), streams=streams,
+                         live=tuple(masks))
+            return distance(out, recon_target)
 
         if policy is not False:  # rematerialize: the backward reruns each forward
             forward_distance = jax.checkpoint(forward_distance, policy=policy)
 
-        def pgd_distance(components, lower, sources):
+        def pgd_distance(components, deltas, lower, sources):
             masks = masks_from_sources(lower, sources, {s: None for s in sources}, spec.delta)
-            return forward_distance(components, masks, resid, recon_target)
+            return forward_distance(components, deltas, masks, streams, recon_target)
 
-        # 3. The adversary's warmup ascents, against detached components and CI.
+        # 3. The adversary's warmup ascents, against detached components and CI (a loop,
+        # not unrolled: one compiled ascent however many there are).
         adversary = state.adversary
         if spec.pgd:
             lr = lr_pgd(state.step)
             comps = jax.lax.stop_gradient(with_tied(state.components, dict(spec.tied)))
+            deltas = jax.lax.stop_gradient(weight_deltas(target.site_weights(), comps))
             lower = jax.lax.stop_gradient({s: ci_lower(v) for s, v in
                                            state.ci_fn(site_inputs, comps).items()})
-            for _ in range(spec.pgd.n_warmup):
-                g = jax.grad(lambda src: pgd_distance(comps, lower, src))(adversary.sources)
-                adversary = ascend(adversary, g, lr, spec.pgd.optimizer)
+
+            def warmup_ascent(_, adv):
+                g = jax.grad(lambda src: pgd_distance(comps, deltas, lower, src))(adv.sources)
+                return ascend(adv, g, lr, spec.pgd.optimizer)
+
+            adversary = jax.lax.fori_loop(0, spec.pgd.n_warmup, warmup_ascent, adversary)
 
         def loss_fn(params, key, step):
             own_components, ci_fn, sources = params
@@ -281,8 +291,9 @@ def make_train_step(cfg: RunConfig) -> Callable:
             upper = {s: ci_upper(v) for s, v in logits.items()}
             # 4. Losses.
             p = losses.p_at(step, spec.total_steps, *spec.p)
+            deltas = weight_deltas(target.site_weights(), components)
             terms = {
-                "faithfulness": losses.faithfulness(target.site_weights(), components),
+                "faithfulness": losses.faithfulness(deltas),
                 "imp_min": losses.importance_minimality(upper, p, spec.eps, spec.beta),
             }
             total = spec.faith_coeff * terms["faithfulness"] + spec.imp_coeff * terms["imp_min"]
@@ -293,11 +304,12 @@ def make_train_step(cfg: RunConfig) -> Callable:
                 for live, fwd_key in zip(term.plan, fwd_keys):
                     masks = sample_forward_masks(fwd_key, live, term.source, term.routing,
                                                  lower, spec.delta)
-                    ds.append(forward_distance(components, masks, resid, recon_target))
+                    ds.append(forward_distance(components, deltas, masks, streams,
+                                               recon_target))
                 terms[f"recon_{term.name}"] = sum(ds) / len(ds)
                 total = total + term.coeff * terms[f"recon_{term.name}"]
             if spec.pgd:
-                terms["pgd"] = pgd_distance(components, lower, sources)
+                terms["pgd"] = pgd_distance(components, deltas, lower, sources)
                 total = total + spec.pgd.coeff * terms["pgd"]
             terms["total"] = total
             l0 = {s: jnp.mean(jnp.sum(v > threshold, axis=-1).astype(jnp.float32))

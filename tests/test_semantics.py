@@ -11,7 +11,7 @@ import pytest
 
 from pdecomp import losses
 from pdecomp.ci import ALPHA, ci_lower, ci_upper
-from pdecomp.components import Components, SiteMask, frozen_linear, masked_linear
+from pdecomp.components import Components, SiteMask, frozen_linear, masked_linear, weight_deltas
 from pdecomp.config import ModelConfig, RunConfig
 from pdecomp.masks import make_plan, masks_from_sources, sample_routing, sample_source
 from pdecomp.targets import TMS, init_target
@@ -116,7 +116,7 @@ def test_uniform_k_routes_between_one_and_all_live_sites():
 def test_faithfulness_is_fp32_even_for_bf16_weights():
     comps = Components.init(jax.random.PRNGKey(1), {"s": (8, 8)}, {"s": 3})
     W = jax.random.normal(jax.random.PRNGKey(2), (8, 8)).astype(jnp.bfloat16)
-    f = losses.faithfulness({"s": W}, comps)
+    f = losses.faithfulness(weight_deltas({"s": W}, comps))
     assert f.dtype == jnp.float32
     ref = np.mean((np.asarray(W, np.float32) - np.asarray(comps.sites["s"].weight)) ** 2)
     np.testing.assert_allclose(f, ref, rtol=1e-6)
@@ -126,7 +126,8 @@ def test_faithfulness_is_normalised_by_total_numel():
     comps = Components.init(jax.random.PRNGKey(0), {"a": (2, 2), "b": (4, 4)}, {"a": 1, "b": 1})
     zero = jax.tree.map(jnp.zeros_like, comps)  # V@U = 0, so ‖W‖² counts whole
     W = {"a": jnp.ones((2, 2)), "b": 2 * jnp.ones((4, 4))}
-    np.testing.assert_allclose(losses.faithfulness(W, zero), (4 * 1 + 16 * 4) / (4 + 16))
+    np.testing.assert_allclose(losses.faithfulness(weight_deltas(W, zero)),
+                               (4 * 1 + 16 * 4) / (4 + 16))
 
 
 def test_p_anneals_linearly_inside_its_window():

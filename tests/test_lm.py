@@ -1,0 +1,286 @@
+"""The LM half of SPD_SEMANTICS.md on a tiny Llama: residual start, frozen path, KL, persistent
+PGD (scopes, ascent, averaged gradient, 1 vs 8 devices) and the state's checkpoint round trip."""
+
+from __future__ import annotations
+
+import dataclasses as dc
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pdecomp import losses, targets
+from pdecomp.checkpoint import Checkpointer
+from pdecomp.ci import ci_lower
+from pdecomp.components import masked_linear, recording_linear
+from pdecomp.config import (
+    DataConfig,
+    LayersConfig,
+    LossConfig,
+    ModelConfig,
+    OptimConfig,
+    PGDConfig,
+    ReconTermConfig,
+    RunConfig,
+    validate,
+)
+from pdecomp.masks import sample_forward_masks
+from pdecomp.train import ascend, init_state, make_train_step, pgd_source_shape
+
+SITES = [f"layers.{i}.mlp.{w}" for i in (1, 2) for w in ("gate_proj", "up_proj", "down_proj")]
+
+
+def tiny_cfg(scope: str = "batch_shared", optimizer: str = "adam", **memory) -> RunConfig:
+    model = ModelConfig(name="llama_t", kind="llama", vocab_size=64, d_embed=32, n_layers=4,
+                        d_mlp=48, n_heads=4, n_kv_heads=2,
+                        rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8})
+    loss = LossConfig(faithfulness_coeff=10.0, imp_min_coeff=1e-3, p_start=2.0, p_end=0.4,
+                      beta=0.2, distance="kl",
+                      recon={"chunkwise": ReconTermConfig(0.5, "chunkwise", 3, "continuous",
+                                                          "uniform_k")},
+                      pgd=PGDConfig(coeff=0.5, scope=scope, optimizer=optimizer, n_warmup=2))
+    cfg = RunConfig(model=model, layers=LayersConfig(sites=SITES, C=8, ci_fn="shared_mlp",
+                                                     tie=False),
+                    loss=loss, optim=OptimConfig(steps=20, faith_warmup_steps=0),
+                    data=DataConfig(batch_size=4, source="synthetic", seq_len=8))
+    if memory:
+        cfg = dc.replace(cfg, memory=dc.replace(cfg.memory, **memory))
+    validate(cfg)
+    return cfg
+
+
+def tokens(cfg: RunConfig, seed: int = 0) -> jax.Array:
+    return jax.random.randint(jax.random.PRNGKey(seed),
+                              (cfg.data.batch_size, cfg.data.seq_len), 0, cfg.model.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = tiny_cfg()
+    target = targets.init_target(jax.random.PRNGKey(0), cfg.model)
+    state = init_state(jax.random.PRNGKey(1), cfg, target)
+    return cfg, target, state
+
+
+def test_residual_start_and_suffix_equal_the_whole_model(setup):
+    cfg, target, _ = setup
+    x = tokens(cfg)
+    prefix, suffix = target.split(SITES, jnp.float32)
+    np.testing.assert_allclose(suffix(prefix(x)), target(x), rtol=1e-5, atol=1e-5)
+    # the prefix is layer 0 only: the first site lives in layer 1
+    h0 = target.run_layers(target.embed_tokens(x), 0, 1)
+    np.testing.assert_allclose(prefix(x), h0, rtol=1e-6)
+    # sites in hooked layers see the clean forward's inputs: down sees silu(gate) * up
+    rec: dict = {}
+    suffix(prefix(x), recording_linear(rec))
+    gate = rec["layers.1.mlp.gate_proj"] @ target.mlp["gate_proj"][1]
+    up = rec["layers.1.mlp.up_proj"] @ target.mlp["up_proj"][1]
+    np.testing.assert_allclose(rec["layers.1.mlp.down_proj"], jax.nn.silu(gate) * up,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_sites_not_live_take_the_frozen_path(setup):
+    """A chunk's forward gives no V/U gradient to sites outside the chunk and makes no
+    [*, C] tensor for them."""
+    cfg, target, state = setup
+    x = tokens(cfg)
+    prefix, suffix = target.split(SITES, jnp.float32)
+    resid = prefix(x)
+    rec: dict = {}
+    clean_lp = losses.recon_target("kl", suffix(resid, recording_linear(rec)))
+    lower = {s: ci_lower(v) for s, v in state.ci_fn({s: rec[s] for s in SITES},
+                                                    state.components).items()}
+    live = tuple(SITES[:3])
+    masks = sample_forward_masks(jax.random.PRNGKey(3), live, "continuous", "uniform_k",
+                                 lower, True)
+
+    def d(components):
+        return losses.kl(suffix(resid, masked_linear(components, masks)), clean_lp)
+
+    grads = jax.grad(d)(state.components)
+    for s in SITES:
+        g = np.abs(np.asarray(grads.sites[s].V)).sum() + np.abs(np.asarray(grads.sites[s].U)).sum()
+        assert (g > 0) == (s in live), s
+    jaxpr = str(jax.make_jaxpr(d)(state.components))
+    C = cfg.layers.C
+    # the live sites' inner acts [4, 8, C] appear; a forward with no live site has none
+    assert f"f32[4,8,{C}]" in jaxpr
+    no_live = str(jax.make_jaxpr(lambda c: losses.kl(suffix(resid, masked_linear(c, {})),
+                                                     clean_lp))(state.components))
+    assert f"f32[4,8,{C}]" not in no_live
+
+
+def test_kl_is_fp32_zero_on_itself_and_matches_a_direct_sum():
+    logits = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 11)).astype(jnp.bfloat16)
+    clean = jax.random.normal(jax.random.PRNGKey(1), (2, 3, 11))
+    target = losses.recon_target("kl", clean)
+    assert target.dtype == jnp.float32
+    assert float(losses.kl(clean, target)) == pytest.approx(0.0, abs=1e-6)
+    p = np.exp(np.asarray(target, np.float64))
+    q = jax.nn.log_softmax(np.asarray(logits.astype(jnp.float32), np.float64), axis=-1)
+    direct = np.mean(np.sum(p * (np.log(p) - np.asarray(q)), axis=-1))
+    assert float(losses.kl(logits, target)) == pytest.approx(direct, rel=1e-5)
+    assert losses.kl(logits, target).dtype == jnp.float32
+
+
+@pytest.mark.parametrize("scope,shape", [("global", (1, 1, 9)), ("batch_shared", (1, 8, 9)),
+                                         ("per_example", (4, 8, 9))])
+def test_source_scopes(scope, shape):
+    assert pgd_source_shape(scope, (4, 8), 8) == shape
+    cfg = tiny_cfg(scope)
+    target = targets.init_target(jax.random.PRNGKey(0), cfg.model)
+    state = init_state(jax.random.PRNGKey(1), cfg, target)
+    for s in SITES:
+        src = state.adversary.sources[s]
+        assert src.shape == shape and float(src.min()) >= 0 and float(src.max()) <= 1
+
+
+def test_shared_source_gradient_is_the_average_over_what_it_is_shared_by(setup):
+    """A batch-shared source's gradient is the sum of the per-example sources' gradients at
+    the same point: the loss is a mean over positions, so each example contributes 1/B of it
+    (the 'averaged' gradient), and no replica sees only its own shard."""
+    cfg, target, state = setup
+    x = tokens(cfg)
+    prefix, suffix = target.split(SITES, jnp.float32)
+    resid = prefix(x)
+    rec: dict = {}
+    clean_lp = losses.recon_target("kl", suffix(resid, recording_linear(rec)))
+    lower = {s: ci_lower(v) for s, v in state.ci_fn({s: rec[s] for s in SITES},
+                                                    state.components).items()}
+    from pdecomp.masks import masks_from_sources
+
+    def d(sources):
+        masks = masks_from_sources(lower, sources, {s: None for s in sources}, True)
+        return losses.kl(suffix(resid, masked_linear(state.components, masks)), clean_lp)
+
+    shared = state.adversary.sources  # [1, T, C+1]
+    expanded = {s: jnp.broadcast_to(v, (4, *v.shape[1:])) for s, v in shared.items()}
+    g_shared, g_each = jax.grad(d)(shared), jax.grad(d)(expanded)
+    for s in SITES:
+        np.testing.assert_allclose(g_shared[s][0], g_each[s].sum(0), rtol=1e-4, atol=1e-9)
+        assert float(jnp.abs(g_shared[s]).sum()) > 0
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sign"])
+def test_ascent_increases_the_distance_and_clamps(setup, optimizer):
+    cfg, target, state = setup
+    x = tokens(cfg)
+    prefix, suffix = target.split(SITES, jnp.float32)
+    resid = prefix(x)
+    rec: dict = {}
+    clean_lp = losses.recon_target("kl", suffix(resid, recording_linear(rec)))
+    lower = {s: ci_lower(v) for s, v in state.ci_fn({s: rec[s] for s in SITES},
+                                                    state.components).items()}
+    from pdecomp.masks import masks_from_sources
+
+    def d(sources):
+        masks = masks_from_sources(lower, sources, {s: None for s in sources}, True)
+        return losses.kl(suffix(resid, masked_linear(state.components, masks)), clean_lp)
+
+    adv = state.adversary
+    before = float(d(adv.sources))
+    for _ in range(3):
+        adv = ascend(adv, jax.grad(d)(adv.sources), 0.05, optimizer)
+    assert float(d(adv.sources)) > before
+    big = ascend(adv, jax.grad(d)(adv.sources), 100.0, optimizer)  # clamp holds any step
+    for v in big.sources.values():
+        assert float(v.min()) >= 0.0 and float(v.max()) <= 1.0
+
+
+def test_pgd_warmup_ascents_and_the_after_backward_ascent_are_counted(setup):
+    cfg, target, state = setup
+    step = jax.jit(make_train_step(cfg))
+    for i in range(2):
+        state, m = step(state, target, tokens(cfg, i))
+    count = int(state.adversary.opt.count)  # Adam's step count: n_warmup + 1 per step
+    assert count == 2 * (cfg.loss.pgd.n_warmup + 1)
+    assert np.isfinite(float(m["loss/pgd"])) and float(m["loss/pgd"]) > 0
+
+
+def test_state_round_trip_through_a_checkpoint_continues_the_trajectory(setup, tmp_path):
+    """Sources, their moments and the step counter are in the checkpoint: 2 steps, save,
+    restore, 2 steps equals 4 steps straight."""
+    cfg, target, state0 = setup
+    step = jax.jit(make_train_step(cfg))
+    straight = state0
+    for i in range(4):
+        straight, m_straight = step(straight, target, tokens(cfg, i))
+    half = state0
+    for i in range(2):
+        half, _ = step(half, target, tokens(cfg, i))
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    ckpt.save(2, half)
+    ckpt.close()
+    restored = Checkpointer(tmp_path / "ckpt").restore(jax.eval_shape(lambda: state0))
+    assert int(restored.step) == 2 and int(restored.adversary.opt.count) == int(
+        half.adversary.opt.count)
+    for a, b in zip(jax.tree.leaves(eqx.filter(half, eqx.is_array)),
+                    jax.tree.leaves(eqx.filter(restored, eqx.is_array))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for i in range(2, 4):
+        restored, m_resumed = step(restored, target, tokens(cfg, i))
+    for k in m_straight:
+        assert float(m_resumed[k]) == pytest.approx(float(m_straight[k]), rel=1e-6), k
+
+
+@pytest.mark.parametrize("remat", ["none", "full", "save_dots", "names"])
+def test_remat_changes_memory_not_numbers(setup, remat):
+    cfg, target, state = setup
+    ref = jax.jit(make_train_step(cfg))(state, target, tokens(cfg))[1]
+    got = jax.jit(make_train_step(tiny_cfg(remat=remat, remat_names=["layer_out"])))(
+        state, target, tokens(cfg))[1]
+    for k in ("loss/total", "loss/recon_chunkwise", "loss/pgd"):
+        assert float(got[k]) == pytest.approx(float(ref[k]), rel=1e-5), (remat, k)
+
+
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    import jax, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from test_lm import tiny_cfg, tokens
+    from pdecomp import targets
+    from pdecomp.train import init_state, make_train_step
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    rep, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    cfg = tiny_cfg()
+    import dataclasses as dc
+    cfg = dc.replace(cfg, data=dc.replace(cfg.data, batch_size=8))
+    target = jax.device_put(targets.init_target(jax.random.PRNGKey(0), cfg.model), rep)
+    state = jax.device_put(init_state(jax.random.PRNGKey(1), cfg, target), rep)
+    step = jax.jit(make_train_step(cfg))
+    hist = []
+    for i in range(3):
+        state, m = step(state, target, jax.device_put(tokens(cfg, i), shard))
+        hist.append({k: float(v) for k, v in m.items()})
+    src = {s: np.asarray(v).tolist() for s, v in state.adversary.sources.items()}
+    print(json.dumps({"n": len(jax.devices()), "hist": hist, "src": src}))
+""")
+
+
+def _run(n: int) -> dict:
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}",
+           "JAX_PLATFORMS": "cpu"}
+    res = subprocess.run([sys.executable, "-c", SCRIPT, os.path.dirname(__file__)], env=env,
+                         capture_output=True, text=True, check=False, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_lm_steps_and_shared_sources_match_on_1_and_8_devices():
+    one, eight = _run(1), _run(8)
+    assert (one["n"], eight["n"]) == (1, 8)
+    for a, b in zip(one["hist"], eight["hist"]):
+        for k in a:
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+    for s in SITES:
+        np.testing.assert_allclose(eight["src"][s], one["src"][s], rtol=1e-4, atol=1e-5)
