@@ -152,19 +152,32 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
 
 def print_findings(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> None:
     """What the decomposition found, in a form a person reads at a glance."""
-    table = Table(title=f"{cfg.name}: what SPD found")
-    for col in ("site", "C", "live", "L0", "MMCS", "ML2R", "one-to-one"):
-        table.add_column(col)
     from pdecomp.config import site_C
+    from pdecomp.metrics import MASK_KINDS
 
+    lm = cfg.model.kind == "llama"
+    table = Table(title=f"{cfg.name}: what SPD found")
+    cols = ("site", "C", "live", "L0") + (() if lm else ("MMCS", "ML2R", "one-to-one"))
+    for col in cols:
+        table.add_column(col)
     for site, C in site_C(cfg).items():
         def fmt(key: str, spec: str = ".3f", site: str = site) -> str:
             v = summary.get(f"{key}/{site}")
             return "-" if v is None else format(v, spec)
 
-        table.add_row(site, str(C), fmt("live", "d"), fmt("l0"), fmt("mmcs"), fmt("ml2r"),
-                      fmt("one_to_one", "d"))
+        row = [site, str(C), fmt("live", "d"), fmt("l0")]
+        if not lm:
+            row += [fmt("mmcs"), fmt("ml2r"), fmt("one_to_one", "d")]
+        table.add_row(*row)
     console.print(table)
+    if lm:  # how much of the target's behaviour each kind of mask keeps
+        masks = Table(title=f"every site masked; target CE {summary['ce/target']:.4f}")
+        for col in ("mask", "CE", "KL to target", "CE unrecovered"):
+            masks.add_column(col)
+        for kind in MASK_KINDS:
+            masks.add_row(kind, f"{summary[f'ce/{kind}']:.4f}", f"{summary[f'kl/{kind}']:.4f}",
+                          f"{summary[f'ce_unrecovered/{kind}']:.3f}")
+        console.print(masks)
     for key in ("plots/tms_directions", "plots/mean_ci"):
         if key in summary:
             console.print(f"plot: {summary[key]}")

@@ -25,10 +25,14 @@ NORM_EPS = 1e-6
 # blocks still gets a gradient from the first step (an exactly-zero output projection would
 # leave all the weights behind it without one until it moved).
 RESID_OUT_SCALE = 0.1
-# Logit head std, times 1/sqrt(d_model). Small weights and zero bias make every initial logit
-# ≈ 0 (|logit| ~ 0.1), so no component starts out saturated or with a large importance and the
-# random features of the untrained network do not set the starting CI pattern.
+# Logit head std, times 1/sqrt(d_model): small, so the random features of the untrained
+# network do not set the starting CI pattern (|logit - LOGIT_INIT| ~ 0.1).
 LOGIT_SCALE = 0.1
+# Every logit starts near 0.5, inside (0, 1) where ci_lower passes its whole gradient both
+# ways: a logit at 0 would sit on the leaky edge, where pushes up pass at 1% and pushes down
+# not at all, and early learning stalls. Half-on components also make the first masks
+# 0.5 + 0.5·source, so recon and imp-min both pull from step one.
+LOGIT_INIT = 0.5
 
 
 def _normal(key: PRNGKeyArray, shape: tuple[int, ...], std: float) -> Array:
@@ -102,7 +106,7 @@ class GlobalCITransformer(eqx.Module):
             w_down=_normal(k[6], (L, d_mlp, d_model), RESID_OUT_SCALE * sm),
             final_norm=jnp.ones((d_model,), jnp.float32),
             w_out=_normal(k[7], (d_model, S), LOGIT_SCALE * sd),
-            b_out=jnp.zeros((S,), jnp.float32),
+            b_out=jnp.full((S,), LOGIT_INIT, jnp.float32),
             sites=tuple(C), d_in=tuple(d_in[s] for s in C), C=tuple(C.values()),
             n_heads=n_heads)
 

@@ -271,14 +271,14 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
         if sync_each:
             jax.block_until_ready(m)
         done = i + 1
-        if done % log_every == 0 or done == steps:
+        if done % log_every == 0 or done == steps or done == 1:  # step 1: where it started
             last = {k: float(v) for k, v in m.items()}
             if not all(math.isfinite(v) for v in last.values()):
                 ckpt.close()
                 raise FloatingPointError(f"non-finite loss at step {done}: {last}; the last "
                                          f"checkpoint in {ckpt.directory} is intact")
             now = time.perf_counter()
-            n_steps = log_every if done % log_every == 0 else done % log_every
+            n_steps = done - max(history[-1]["step"] if history else 0, start)
             last["perf/step_s"] = (now - t_log) / n_steps
             last["perf/examples_per_s"] = cfg.data.batch_size / last["perf/step_s"]
             if cfg.model.kind == "llama":

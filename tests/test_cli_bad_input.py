@@ -44,6 +44,18 @@ CASES = [
     ("bad-group-option-inside-sweep", ["-m", "model=tms_5-2,nope"], ("model", "nope")),
     ("override-syntax-error", ["layers.sites=[foo"], "layers.sites"),
     ("not-optional", ["model.n_features=null"], "model.n_features"),
+    ("kl-on-a-toy", ["loss.distance=kl"], "loss.distance"),
+    ("bad-remat", ["memory.remat=some"], "memory.remat"),
+    ("llama-path-missing", ["+experiment=llama_tiny_chunkwise", "model.path=/nonexistent/llama"],
+     "model.path"),
+    ("llama-site-out-of-range", ["+experiment=llama_tiny_chunkwise",
+                                 "layers.sites=[layers.9.mlp.up_proj]"], "layers.sites"),
+    ("toy-data-for-llama", ["+experiment=llama_tiny_chunkwise", "data=toy"], "data.source"),
+    ("tokens-without-path", ["+experiment=llama_tiny_chunkwise", "data=tokens"], "data.path"),
+    ("bad-pgd-scope", ["+experiment=llama_tiny_chunkwise", "loss.pgd.scope=batch"],
+     "loss.pgd.scope"),
+    ("ci-heads-not-dividing", ["+experiment=llama_tiny_chunkwise", "layers.ci_heads=3"],
+     "layers.ci_heads"),
 ]
 
 

@@ -17,6 +17,8 @@ import pytest
 import yaml
 from conftest import PDECOMP, console_script
 
+FIXTURES = Path(__file__).parent / "fixtures" / "llama"
+
 WANDB = console_script("wandb")
 
 # Tiny runs: a few seconds of training each on a CPU.
@@ -153,7 +155,7 @@ def test_rerun_same_dir_resumes_from_checkpoint(full_run, env: dict[str, str],
     assert summary["steps"] == 60
     # The curve continues the first attempt's: steps up to 40 kept, 50 and 60 new.
     history = load_json(run_dir / "history.json")
-    assert [h["step"] for h in history] == [10, 20, 30, 40, 50, 60]
+    assert [h["step"] for h in history] == [1, 10, 20, 30, 40, 50, 60]
     assert {"40", "60"} <= {p.name for p in (run_dir / "checkpoints").iterdir()}
     assert (run_dir / "wandb_id.txt").read_text() == (src / "wandb_id.txt").read_text()
 
@@ -261,9 +263,9 @@ def test_offline_wandb_run_reads_back(full_run) -> None:
     records = [json.loads(line) for line in leet(["--json", str(wb_dir)]).splitlines() if line]
     rows = {r["history"]["step"].get("num", 0): r["history"]["item"]
             for r in records if r.get("type") == "history"}
-    assert sorted(rows) == [0, 10, 20, 30, 40]
+    assert sorted(rows) == [0, 1, 10, 20, 30, 40]
     assert "hbm/predicted_peak_gib" in rows[0]
-    for step in (10, 20, 30, 40):
+    for step in (1, 10, 20, 30, 40):
         assert {"loss/total", "loss/imp_min", "loss/recon_full"} <= set(rows[step]), rows[step]
     assert rows[40]["loss/total"] == pytest.approx(summary["loss/total"])
 
@@ -300,11 +302,20 @@ def test_deviceless_gate_for_64_b200s(tmp_path: Path, env: dict[str, str]) -> No
     (["gate.target=h100"], "gate.target='h100'", None),  # a GPU this job lacks: gate only
     (["mesh=fsdp8"], "mesh.gpus_per_host=8", None),  # 8 devices planned, 2 at hand
     (["gate.target=b200", "gate.only=true"], "gate.target='b200'", "missing"),  # no plugin
+    (["+experiment=llama_tiny_chunkwise", "data=tokens", "data.path=missing.u32"],
+     "data.path='missing.u32'", None),  # the token file is opened before anything is made
+    (["+experiment=llama_tiny_chunkwise", "model.path={incomplete}",
+      "layers.sites=[layers.1.mlp.up_proj]", "loss.recon.chunkwise.sites_per_chunk=1"],
+     "model.path=", None),  # a shard is missing
 ])
 def test_job_side_config_errors_exit_2_and_leave_nothing(tmp_path: Path, env: dict[str, str],
                                                           args: list[str], key: str,
                                                           plugin: str | None) -> None:
     run_dir = tmp_path / "run"
+    incomplete = tmp_path / "incomplete"  # a HF directory whose index names a missing shard
+    shutil.copytree(FIXTURES / "tied_sharded", incomplete)
+    next(incomplete.glob("model-0000*.safetensors")).unlink()
+    args = [a.format(incomplete=incomplete) for a in args]
     job_env = dict(env, PDECOMP_CPU_DEVICES="2")
     if plugin:
         job_env["PDECOMP_GPU_COMPILE_DIR"] = str(tmp_path / plugin)

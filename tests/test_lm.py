@@ -284,3 +284,23 @@ def test_lm_steps_and_shared_sources_match_on_1_and_8_devices():
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
     for s in SITES:
         np.testing.assert_allclose(eight["src"][s], one["src"][s], rtol=1e-4, atol=1e-5)
+
+
+def test_a_chunk_forward_from_the_clean_stream_equals_the_whole_suffix(setup):
+    """A forward starts at its first live layer from the clean residual there: the same
+    logits as running every site layer (the earlier ones are frozen anyway)."""
+    cfg, target, state = setup
+    x = tokens(cfg)
+    prefix, suffix = target.split(SITES, jnp.float32)
+    resid = prefix(x)
+    rec: dict = {}
+    streams: dict = {}
+    suffix(resid, recording_linear(rec), streams=streams)
+    assert sorted(streams) == [1, 2]
+    lower = {s: ci_lower(v) for s, v in state.ci_fn({s: rec[s] for s in SITES},
+                                                    state.components).items()}
+    live = tuple(SITES[3:])  # layer 2 only
+    masks = sample_forward_masks(jax.random.PRNGKey(4), live, "continuous", "all", lower, True)
+    linear = masked_linear(state.components, masks)
+    np.testing.assert_allclose(suffix(resid, linear, streams=streams, live=live),
+                               suffix(resid, linear), rtol=1e-5, atol=1e-5)
