@@ -71,7 +71,7 @@ def test_run_from_a_hugging_face_directory(tmp_path: Path, env: dict[str, str]) 
              f"hydra.run.dir={run_dir}"], tmp_path, env)
     s = load(run_dir / "summary.json")
     assert s["target/seed"] is None and s["steps"] == 20
-    assert set(k for k in s if k.startswith("live/")) == {f"live/layers.1.mlp.{w}" for w in
+    assert {k for k in s if k.startswith("live/")} == {f"live/layers.1.mlp.{w}" for w in
                                                           ("gate_proj", "up_proj", "down_proj")}
 
 
