@@ -40,6 +40,7 @@ test-fast: install install-gpu-compile
 bench: install install-gpu-compile
 	$(PY) bench/bench_tms.py
 	$(PY) bench/bench_gate.py
+	$(PY) bench/bench_llama_gate.py
 
 lint: install
 	$(VENV)/bin/ruff check pdecomp launcher tests bench
