@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,6 +20,17 @@ def console_script(name: str) -> str:
 
 
 PDECOMP = console_script("pdecomp")
+
+
+def run_on_cpu_devices(script: str, n: int, *args: str, timeout: int = 600) -> Any:
+    """Run `script` in a fresh Python with `n` simulated CPU devices (the device count is
+    fixed when JAX starts, hence the subprocess); its last stdout line, parsed as JSON."""
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}",
+           "JAX_PLATFORMS": "cpu"}
+    res = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
+                         text=True, check=False, timeout=timeout)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import run_on_cpu_devices
 
 from pdecomp.ci_global import GlobalCITransformer, global_transformer_param_count
 
@@ -200,13 +197,9 @@ l, g = eqx.filter_jit(eqx.filter_value_and_grad(loss))(sharded, xs)
 assert abs(float(l) - float(ref_l)) < 1e-4 * abs(float(ref_l)), (l, ref_l)
 for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
-print("ok")
+print('"ok"')
 """
 
 
 def test_fsdp_sharded_state():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-           "JAX_PLATFORMS": "cpu"}
-    res = subprocess.run([sys.executable, "-c", FSDP_SCRIPT], env=env, capture_output=True,
-                         text=True, check=False, timeout=300)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+    assert run_on_cpu_devices(FSDP_SCRIPT, 4) == "ok"

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
+from conftest import run_on_cpu_devices
 
 SCRIPT = textwrap.dedent("""
     import json, sys, dataclasses as dc
@@ -47,12 +44,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def _run(n: int) -> dict:
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}",
-           "JAX_PLATFORMS": "cpu"}
-    res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, check=False,
-                         timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return run_on_cpu_devices(SCRIPT, n)
 
 
 def test_imp_min_and_train_steps_match_on_1_and_8_devices():
@@ -91,12 +83,7 @@ FSDP_SCRIPT = textwrap.dedent("""
 def test_fsdp_state_sharding_keeps_the_numbers(tmp_path):
     """Sharding target, components and optimizer moments over 8 devices (mesh.shard_state)
     changes where the bytes live, not the loss trajectory."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "JAX_PLATFORMS": "cpu"}
-    res = subprocess.run([sys.executable, "-c", FSDP_SCRIPT, str(tmp_path)], env=env,
-                         capture_output=True, text=True, check=False, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
+    out = run_on_cpu_devices(FSDP_SCRIPT, 8, str(tmp_path))
     replicated, sharded = out["False"], out["True"]
     assert len(replicated) == len(sharded) == 6
     for a, b in zip(replicated, sharded):
