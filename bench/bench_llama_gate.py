@@ -12,19 +12,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import tempfile
-import time
 
+from bench_gate import gate_only  # bench/ is on the path when a script there runs
 from rich.console import Console
 from rich.table import Table
 
 from pdecomp.units import GiB
 
-PDECOMP = os.path.join(os.path.dirname(sys.executable), "pdecomp")
-BASE = ["+experiment=llama8b_l18-26_chunkwise", "gate.only=true", "gate.target=b200",
-        "mesh=fsdp64", "logging.wandb=false"]
+BASE = ["+experiment=llama8b_l18-26_chunkwise", "gate.target=b200", "mesh=fsdp64"]
 # The seed's probe (64 B200, remat on, no buffer donation), GiB per device.
 SEED = {(512, 64): "144.8", (512, 128): "144.8-150.3", (512, 256): "150.3",
         (2048, 64): "179.0", (2048, 128): "210.2"}
@@ -38,16 +34,6 @@ KNOBS: list[tuple[str, list[str]]] = [
     ("memory.compute_dtype=float32", ["memory.compute_dtype=float32"]),
     ("memory.donate=false", ["memory.donate=false"]),
 ]
-
-
-def gate_only(args: list[str], run_dir: str) -> tuple[float, dict]:
-    cmd = [PDECOMP, *BASE, f"hydra.run.dir={run_dir}", *args]
-    t = time.perf_counter()
-    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    wall = time.perf_counter() - t
-    if res.returncode not in (0, 3):  # 3: refused, still a report
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
-    return wall, json.loads(open(os.path.join(run_dir, "gate.json")).read())
 
 
 def gib(rep: dict, key: str) -> str:
@@ -68,7 +54,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         for seq in (512, 2048):
             for batch in (64, 128, 256):
-                wall, rep = gate_only([f"data.seq_len={seq}", f"data.batch_size={batch}"],
+                wall, rep = gate_only([*BASE, f"data.seq_len={seq}", f"data.batch_size={batch}"],
                                       f"{d}/{seq}-{batch}")
                 rows.append({"seq": seq, "batch": batch, "wall_s": wall, **rep})
                 shapes.add_row(str(seq), str(batch), gib(rep, "peak_bytes"),
@@ -78,7 +64,7 @@ def main() -> None:
                                f"{wall:.1f}")
         base = None
         for i, (name, args) in enumerate(KNOBS):
-            wall, rep = gate_only(args, f"{d}/knob{i}")
+            wall, rep = gate_only([*BASE, *args], f"{d}/knob{i}")
             rows.append({"knob": name, "wall_s": wall, **rep})
             base = base or rep["peak_bytes"]
             knobs.add_row(name, gib(rep, "peak_bytes"), gib(rep, "temp_bytes"),

@@ -323,7 +323,10 @@ def load_config(path: str | Path) -> LlamaConfig:
 def check_hf(path: str | Path) -> LlamaConfig:
     """config.json readable and every tensor present with the shape it implies (headers
     only: cheap enough to run before the gate)."""
-    path = Path(path)
+    return _open_checked(Path(path))[0]
+
+
+def _open_checked(path: Path) -> tuple[LlamaConfig, _Tensors]:
     cfg = load_config(path)
     tensors = _Tensors(path)
     for name, shape in expected_shapes(cfg).items():
@@ -334,16 +337,14 @@ def check_hf(path: str | Path) -> LlamaConfig:
         if tensors.shape(name) != shape:
             raise CheckpointError(f"{path}: tensor {name} has shape {tensors.shape(name)}; "
                                   f"config.json implies {shape}")
-    return cfg
+    return cfg, tensors
 
 
 def load_hf(path: str | Path, dtype: Any = jnp.float32,
             shardings: Llama | None = None) -> Llama:
     """The Llama in `path` (config.json + safetensors), each array built in its sharding
     from this host's own reads of the files (no cross-host gather of a full copy)."""
-    path = Path(path)
-    cfg = check_hf(path)
-    tensors = _Tensors(path)
+    cfg, tensors = _open_checked(Path(path))
     L = cfg.num_hidden_layers
 
     def stacked(key: str, transpose: bool) -> Callable[[tuple], np.ndarray]:

@@ -19,8 +19,7 @@ from pdecomp.targets import TMS, ResidMLP
 def causal_importances(target, components: Components, ci_fn, x: Array) -> dict[str, Array]:
     """ci_lower per site for inputs x (the masks' CI)."""
     record: dict[str, Array] = {}
-    prefix, suffix = target.split(tuple(components.sites), x.dtype if x.dtype.kind == "f"
-                                  else jnp.float32)
+    prefix, suffix = target.split(tuple(components.sites), jnp.float32)
     suffix(prefix(x), recording_linear(record))
     logits = ci_fn({s: record[s] for s in components.sites}, components)
     return {s: ci_lower(v) for s, v in logits.items()}

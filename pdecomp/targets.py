@@ -32,6 +32,13 @@ class TargetError(RuntimeError):
     """A trained target failed its checks (it cannot serve as ground truth)."""
 
 
+def _whole_forward(target, dtype: Any) -> tuple[Callable, Callable]:
+    """A toy's (prefix, suffix): no layer is worth skipping, so the prefix only casts and
+    every forward runs the whole model (the LM-only `streams` and `live` are ignored)."""
+    return (lambda x: x.astype(dtype)), lambda x, linear, streams=None, live=None: target(
+        x, linear)
+
+
 class TMS(eqx.Module):
     """Toy model of superposition: h = x @ W, out = ReLU(h @ Wᵀ + b), tied weights.
 
@@ -49,10 +56,8 @@ class TMS(eqx.Module):
         return jax.nn.relu(linear("linear2", h, self.W.T) + self.b)
 
     def split(self, sites: Sequence[str], dtype: Any) -> tuple[Callable, Callable]:
-        """(prefix, suffix): no layers precede the sites, so the prefix only casts."""
         del sites
-        return (lambda x: x.astype(dtype)), lambda x, linear, streams=None, live=None: self(
-            x, linear)
+        return _whole_forward(self, dtype)
 
     def _hidden_names(self) -> list[str]:
         n = len(self.hidden)
@@ -80,10 +85,8 @@ class ResidMLP(eqx.Module):
         return resid @ self.W_E.T
 
     def split(self, sites: Sequence[str], dtype: Any) -> tuple[Callable, Callable]:
-        """(prefix, suffix): the embedding is cheap, so the prefix only casts."""
         del sites
-        return (lambda x: x.astype(dtype)), lambda x, linear, streams=None, live=None: self(
-            x, linear)
+        return _whole_forward(self, dtype)
 
     def site_weights(self) -> dict[str, Array]:
         out = {}

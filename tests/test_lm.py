@@ -235,7 +235,7 @@ def test_state_round_trip_through_a_checkpoint_continues_the_trajectory(setup, t
         assert float(m_resumed[k]) == pytest.approx(float(m_straight[k]), rel=1e-6), k
 
 
-@pytest.mark.parametrize("remat", ["full", "save_dots", "names"])  # against none
+@pytest.mark.parametrize("remat", ["full", "save_dots", "names", "offload"])  # vs none
 def test_remat_policies_keep_the_numbers(setup, remat):
     cfg, target, state = setup
     ref = jax.jit(make_train_step(cfg))(state, target, tokens(cfg))[1]
