@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from pdecomp.llama import apply_rope, rms_norm
+from pdecomp.llama import apply_rope, rms_norm, rope_inv_freq, rope_tables
 
 ROPE_THETA = 10000.0
 NORM_EPS = 1e-6
@@ -131,7 +131,8 @@ class GlobalCITransformer(eqx.Module):
         x = jnp.concatenate([rms_norm(x, jnp.ones((), x.dtype), NORM_EPS).astype(dtype)
                              for x in xs], axis=-1)
         h = x @ self.w_in.astype(dtype) + self.b_in.astype(dtype)
-        cos, sin = _rope(h.shape[-2], self.wq.shape[-1] // self.n_heads)
+        cos, sin = rope_tables(rope_inv_freq(self.wq.shape[-1] // self.n_heads, ROPE_THETA),
+                               h.shape[-2])
         blocks = (self.attn_norm, self.wq, self.wk, self.wv, self.wo, self.mlp_norm,
                   self.w_up, self.w_down)
 
@@ -166,12 +167,3 @@ class GlobalCITransformer(eqx.Module):
         h = h + ctx @ wo
         x = rms_norm(h, mlp_norm, NORM_EPS)
         return h + jax.nn.gelu(x @ w_up) @ w_down
-
-
-def _rope(t: int, d_head: int) -> tuple[Array, Array]:
-    """cos, sin [t, 1 (heads), d_head] in fp32 for positions 0..t-1 (theta ROPE_THETA), in the
-    half-split layout of `llama.apply_rope`."""
-    inv_freq = 1.0 / (ROPE_THETA ** (jnp.arange(0, d_head, 2, dtype=jnp.float32) / d_head))
-    freqs = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq[None]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]
-    return jnp.cos(emb), jnp.sin(emb)

@@ -91,12 +91,11 @@ def site_layer(site: str) -> int:
     return int(site.split(".")[1])
 
 
-def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
-    """Per-pair rotation frequencies, with Llama-3 scaling: long wavelengths slowed by
-    `factor`, short ones kept, the band between interpolated smoothly."""
-    d = cfg.d_head
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    rs = cfg.rope_scaling or {}
+def rope_inv_freq(d: int, theta: float, scaling: dict[str, Any] | None = None) -> np.ndarray:
+    """Per-pair rotation frequencies of a head of size d, with Llama-3 scaling: long
+    wavelengths slowed by `factor`, short ones kept, the band between interpolated smoothly."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    rs = scaling or {}
     kind = rs.get("rope_type", rs.get("type", "default"))
     if kind == "default":
         return inv_freq.astype(np.float32)
@@ -110,6 +109,14 @@ def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old / hi) & (wavelen <= old / lo)
     return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_tables(inv_freq: np.ndarray, t: int) -> tuple[Array, Array]:
+    """cos, sin [t, 1 (heads), d_head] in fp32 for positions 0..t-1, in the half-split
+    layout of `apply_rope`."""
+    freqs = np.arange(t, dtype=np.float32)[:, None] * inv_freq[None]
+    emb = np.concatenate([freqs, freqs], axis=-1)[:, None, :]
+    return jnp.asarray(np.cos(emb)), jnp.asarray(np.sin(emb))
 
 
 def rms_norm(x: Array, weight: Array, eps: float) -> Array:
@@ -152,9 +159,8 @@ class Llama(eqx.Module):
                 **{n: self.attn[n][i] for n in ATTN}, **{n: self.mlp[n][i] for n in MLP}}
 
     def rope(self, t: int) -> tuple[Array, Array]:
-        freqs = np.arange(t, dtype=np.float32)[:, None] * rope_inv_freq(self.cfg)[None]
-        emb = np.concatenate([freqs, freqs], axis=-1)[:, None, :]  # [t, 1 (heads), d_head]
-        return jnp.asarray(np.cos(emb)), jnp.asarray(np.sin(emb))
+        cfg = self.cfg
+        return rope_tables(rope_inv_freq(cfg.d_head, cfg.rope_theta, cfg.rope_scaling), t)
 
     def block(self, h: Float[Array, "b t d"], w: dict[str, Array], rope: tuple[Array, Array],
               linear: Callable[[str, Array, Array], Array]) -> Array:
