@@ -19,6 +19,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import OverrideParseException
 from omegaconf import DictConfig
 
+from hydra_plugins.pdecomp_launcher import slurm_launcher
 from launcher.registry import register, to_run_config
 from pdecomp.config import EXIT_BAD_CONFIG, ConfigError, validate
 
@@ -80,8 +81,9 @@ def _one_line(e: Exception) -> str:
     return head + "; ".join(parts)
 
 
-def check_overrides(overrides: list[str]) -> None:
-    """Compose and validate every combination of sweep values (the first MAX_CHECKED_COMBOS)."""
+def check_overrides(overrides: list[str]) -> bool:
+    """Compose and validate every combination of sweep values (the first MAX_CHECKED_COMBOS).
+    True when the composed launcher submits jobs (submitit) rather than running in-process."""
     parser, parsed = OverridesParser.create(), []
     for line in overrides:  # one at a time, so a syntax error can name its key
         try:
@@ -104,7 +106,11 @@ def check_overrides(overrides: list[str]) -> None:
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         for combo in itertools.islice(itertools.product(*choices), MAX_CHECKED_COMBOS):
             validate(to_run_config(compose(config_name="config", overrides=list(combo))))
+        hydra_cfg = compose(config_name="config", overrides=[o.input_line for o in parsed
+                                                             if not o.is_sweep_override()],
+                            return_hydra_config=True).hydra
     GlobalHydra.instance().clear()
+    return not str(hydra_cfg.launcher.get("_target_", "")).endswith("BasicLauncher")
 
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
@@ -130,14 +136,19 @@ def main() -> None:
     overrides = _overrides(sys.argv[1:])
     if overrides is not None:
         try:
-            check_overrides(overrides)
+            submits = check_overrides(overrides)
         except ConfigError as e:
             print(e, file=sys.stderr)
             sys.exit(EXIT_BAD_CONFIG)
         except Exception as e:  # noqa: BLE001 - Hydra's and OmegaConf's compose-time errors
             print(_one_line(e), file=sys.stderr)
             sys.exit(EXIT_BAD_CONFIG)
+        if submits and not {"-m", "--multirun"} & set(sys.argv):
+            # Hydra uses its launcher in multirun mode only: a run submitted to a cluster is
+            # a sweep of one job.
+            sys.argv.insert(1, "--multirun")
     _hydra_main()
+    sys.exit(slurm_launcher.outcome["exit_code"])
 
 
 if __name__ == "__main__":

@@ -17,18 +17,12 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from launcher import cluster
 from launcher.registry import to_run_config
-from pdecomp.config import EXIT_BAD_CONFIG, ConfigError, RunConfig
+from pdecomp.config import EXIT_BAD_CONFIG, EXIT_GATE_REFUSED, ConfigError, RunConfig
 from pdecomp.units import GiB, fmt_bytes
 
 console = Console(stderr=True)
-
-
-def _rank() -> int:
-    for var in ("SLURM_PROCID", "RANK"):
-        if var in os.environ:
-            return int(os.environ[var])
-    return 0
 
 
 def gate_table(report: dict[str, Any], title: str = "memory gate (per device)") -> Table:
@@ -87,7 +81,13 @@ def _discard(run_dir: Path) -> None:
 
 
 def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
-    from pdecomp.run import EXIT_GATE_REFUSED, GateRefused, Hooks, decompose, preflight
+    # In a SLURM job every task runs this; they become one JAX runtime before JAX starts.
+    ranks = cluster.job_ranks()
+    signals: cluster.StopSignals | None = None
+    if cluster.in_slurm_job():
+        cluster.split_cpu_devices()
+
+    from pdecomp.run import GateRefused, Hooks, Interrupted, decompose, preflight
 
     # orbax (through absl) and jax log routine events at INFO; keep the console for results.
     for name in ("absl", "jax"):
@@ -98,7 +98,13 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     multirun = hc.mode == RunMode.MULTIRUN
-    rank0 = _rank() == 0
+    rank0 = ranks.process_id == 0
+    if cluster.in_slurm_job():
+        cluster.init_distributed(ranks, cfg.mesh.init_timeout_s)
+        signals = cluster.StopSignals()
+        signals.install()
+        cluster.say(ranks, f"job {os.environ['SLURM_JOB_ID']} on {os.uname().nodename}, "
+                           f"node {ranks.node}/{ranks.num_nodes}")
     try:  # checks that need the job's devices, before anything is written
         preflight(cfg)
     except ConfigError as e:
@@ -130,17 +136,26 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
         progress.update(task, completed=done, info=info)
 
     hooks = Hooks(log=lambda s: console.print(f"[dim]{s}[/dim]") if rank0 else None,
-                  on_metrics=(wb.log if wb else None), on_gate=on_gate, progress=on_progress)
+                  on_metrics=(wb.log if wb else None), on_gate=on_gate, progress=on_progress,
+                  should_stop=signals.stop_requested if signals else None)
     try:
         with progress:
             summary = decompose(cfg, run_dir, hooks)
     except GateRefused as e:
-        console.print(f"[red]{e}[/red]  (report: {run_dir / 'gate.json'})")
+        if rank0:
+            console.print(f"[red]{e}[/red]  (report: {run_dir / 'gate.json'})")
         if wb:
             wb.finish(exit_code=EXIT_GATE_REFUSED)
-        if multirun:
+        if multirun and not cluster.in_slurm_job():
             return {"refused": True, "gate": e.report}
+        if cluster.in_slurm_job():
+            cluster.say(ranks, f"gate refused: exit {EXIT_GATE_REFUSED}")
         sys.exit(EXIT_GATE_REFUSED)
+    except Interrupted as e:
+        assert signals is not None
+        if wb:
+            wb.finish(exit_code=cluster.EXIT_REQUEUED)
+        _stop_for_scheduler(ranks, signals, e, hc.launcher.get("max_num_timeout", 0))
     if wb:
         for k, v in summary.items():
             wb.summary(k, v)
@@ -148,6 +163,25 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
     if rank0 and "gate" not in summary:
         print_findings(cfg, summary, run_dir)
     return summary
+
+
+def _stop_for_scheduler(ranks: cluster.Ranks, signals: cluster.StopSignals, e: Exception,
+                        max_requeues: int) -> None:
+    """Every rank has checkpointed at the same step; requeue (rank 0) and leave without a
+    result, so that submitit waits for the requeued job instead of reporting this one."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    why = ", ".join(dict.fromkeys(signals.received))
+    if signals.requeue_requested():
+        if ranks.process_id == 0:
+            cluster.say(ranks, f"{why}: {e}; {cluster.requeue(max_requeues)}")
+        if jax.process_count() > 1:  # no rank leaves before the requeue is on record
+            multihost_utils.sync_global_devices("pdecomp: requeued")
+        cluster.say(ranks, f"exit {cluster.EXIT_REQUEUED}")
+        sys.exit(cluster.EXIT_REQUEUED)
+    cluster.say(ranks, f"{why}: {e}; exit 143")
+    sys.exit(143)
 
 
 def print_findings(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> None:

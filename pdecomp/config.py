@@ -37,6 +37,7 @@ LLAMA_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 EXIT_BAD_CONFIG = 2  # the exit code of a run refused for its config
+EXIT_GATE_REFUSED = 3  # the exit code of a run whose memory gate refused it
 
 
 class ConfigError(ValueError):
@@ -196,6 +197,9 @@ class MeshConfig:
     hosts: int = 1  # the GPUs a run is sized for: a deviceless gate compiles for
     gpus_per_host: int = 0  # hosts x gpus_per_host of them (0: one GPU)
     shard_state: bool = False
+    # Multi-process jobs: how long a rank waits for every process to join jax.distributed
+    # before it gives up with an error (instead of hanging until the time limit).
+    init_timeout_s: int = 300
 
 
 @dataclass(frozen=True)
@@ -407,6 +411,7 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
     _positive("mesh.data", me.data, zero_ok=True)
     _positive("mesh.hosts", me.hosts)
     _positive("mesh.gpus_per_host", me.gpus_per_host, zero_ok=True)
+    _positive("mesh.init_timeout_s", me.init_timeout_s)
     planned = me.hosts * max(me.gpus_per_host, 1)
     if me.data and cfg.gate.target != "local" and me.data != planned:
         raise ConfigError("mesh.data", me.data, f"must be 0 or mesh.hosts x mesh.gpus_per_host "

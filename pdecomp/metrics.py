@@ -87,19 +87,26 @@ def ci_summary(target, components: Components, ci_fn, batches: Iterable[Array],
 
     A component is live when its CI exceeds the threshold on some input.
     """
-    ci_of = jax.jit(lambda x: causal_importances(target, components, ci_fn, x))
+    def reduce(x):  # on the devices: only [C]-sized results reach the host, from any rank
+        out = {}
+        for s, v in causal_importances(target, components, ci_fn, x).items():
+            v = v.reshape(-1, v.shape[-1])
+            # per component: a count over every row and component could pass 2**31 at LM sizes
+            out[s] = (v.max(0), v.sum(0), (v > threshold).sum(0), v.shape[0])
+        return out
+
+    reduce_jit = jax.jit(reduce)
     acc: dict[str, dict] = {}
     n = 0
     for x in batches:
-        ci = ci_of(x)
-        for s, v in ci.items():
-            v = np.asarray(v).reshape(-1, v.shape[-1])
-            a = acc.setdefault(s, {"max": np.zeros(v.shape[-1]), "sum": np.zeros(v.shape[-1]),
+        for s, (vmax, vsum, active, rows) in reduce_jit(x).items():
+            vmax, vsum = np.asarray(vmax, np.float64), np.asarray(vsum, np.float64)
+            a = acc.setdefault(s, {"max": np.zeros(vmax.shape), "sum": np.zeros(vmax.shape),
                                    "l0": 0.0})
-            a["max"] = np.maximum(a["max"], v.max(0))
-            a["sum"] += v.sum(0)
-            a["l0"] += float((v > threshold).sum())
-        n += v.shape[0]
+            a["max"] = np.maximum(a["max"], vmax)
+            a["sum"] += vsum
+            a["l0"] += float(np.asarray(active, np.float64).sum())
+        n += int(rows)
     return {s: {"max_ci": a["max"], "mean_ci": a["sum"] / n, "l0": a["l0"] / n,
                 "live": int((a["max"] > threshold).sum())} for s, a in acc.items()}
 

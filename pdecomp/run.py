@@ -32,7 +32,14 @@ from pdecomp.config import ConfigError, RunConfig, tied_sites, validate
 from pdecomp.train import TrainState, faithfulness_warmup, init_state, make_train_step
 from pdecomp.units import GiB, fmt_bytes
 
-EXIT_GATE_REFUSED = 3
+
+class Interrupted(RuntimeError):
+    """Training stopped early at `step` because the front end asked (a scheduler's signal);
+    a checkpoint at that step is complete on disk."""
+
+    def __init__(self, step: int, checkpoint_dir: Path):
+        self.step = step
+        super().__init__(f"stopped at step {step}; checkpoint in {checkpoint_dir}")
 
 
 class GateRefused(RuntimeError):
@@ -50,10 +57,20 @@ class Hooks:
     on_metrics: Callable[[int, dict[str, float]], None] | None = None
     on_gate: Callable[[dict[str, Any]], None] | None = None
     progress: Callable[[int, int, dict[str, float]], None] | None = None
+    # Asked after every step; True on any process stops every process at that step, with a
+    # checkpoint (raises Interrupted).
+    should_stop: Callable[[], bool] | None = None
+
+
+def is_main_process() -> bool:
+    """Rank 0 alone writes the run directory's files; every rank writes checkpoint shards."""
+    return jax.process_index() == 0
 
 
 def write_json(path: Path, obj: Any) -> None:
-    """Write atomically: a reader never sees half a file."""
+    """Write atomically: a reader never sees half a file. Rank 0 only."""
+    if not is_main_process():
+        return
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1, default=_jsonable))
     tmp.replace(path)
@@ -95,7 +112,7 @@ def gate_cap(cfg: RunConfig, mesh: Mesh) -> tuple[int, str]:
         spec = hardware.GPUS[cfg.gate.target]
         return (int(spec.memory_bytes * cfg.memory.safety_fraction),
                 f"{cfg.gate.target} {spec.memory_gib:.1f} GiB x {cfg.memory.safety_fraction}")
-    return gate_lib.device_cap_bytes(mesh.devices.flat[0], cfg.memory.hbm_cap_gib,
+    return gate_lib.device_cap_bytes(mesh.local_devices[0], cfg.memory.hbm_cap_gib,
                                      cfg.memory.safety_fraction)
 
 
@@ -159,6 +176,30 @@ def batch_sampler(cfg: RunConfig, batch_sharding: NamedSharding, key: Array,
         shape, batch_sharding, lambda index: stream.rows(i, B, index[0]))
 
 
+def load_toy_target(model, log: Callable[[str], None]) -> tuple[Any, dict[str, Any]]:
+    """A toy target from its cache; rank 0 trains and caches it first when it is missing,
+    so that the ranks of a job neither train it once each nor read a cache being written."""
+    if jax.process_count() == 1:
+        return targets.load_or_train_target(model, log=log)
+    from jax.experimental import multihost_utils
+
+    if is_main_process():
+        out = targets.load_or_train_target(model, log=log)
+    multihost_utils.sync_global_devices("pdecomp: toy target cached")
+    if not is_main_process():
+        out = targets.load_or_train_target(model, log=lambda _: None)
+    return out
+
+
+def any_process(flag: bool) -> bool:
+    """True on every process when `flag` is True on any (a collective: all must call it)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.process_allgather(np.int32(flag)).max())
+
+
 def load_target(cfg: RunConfig, target_abs: Any, log: Callable[[str], None]
                 ) -> tuple[Any, dict[str, Any]]:
     """The frozen target, in its shardings. Toys: cached by their settings, trained and
@@ -166,8 +207,8 @@ def load_target(cfg: RunConfig, target_abs: Any, log: Callable[[str], None]
     random weights made in place."""
     m, shardings = cfg.model, sharding.shardings(target_abs)
     if m.kind != "llama":
-        target, meta = targets.load_or_train_target(m, log=log)
-        return jax.device_put(target, shardings), meta
+        target, meta = load_toy_target(m, log)
+        return sharding.put_from_host(target, shardings), meta
     dtype = jnp.dtype(cfg.memory.target_dtype)
     if m.path:
         log(f"loading {m.path} ({cfg.memory.target_dtype})")
@@ -247,8 +288,9 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
     else:
         state = jax.jit(lambda k: init_state(k, cfg, target),
                         out_shardings=sharding.shardings(state_abs))(init_key)
-        components = jax.device_put(faithfulness_warmup(cfg, state.components, target),
-                                    sharding.shardings(state_abs.components))
+        components = jax.jit(lambda c: faithfulness_warmup(cfg, c, target),
+                             out_shardings=sharding.shardings(state_abs.components))(
+            state.components)
         state = eqx.tree_at(lambda s: s.components, state, components)
         start = 0
 
@@ -298,13 +340,17 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
                     "hbm/predicted_over_measured": report["predicted_over_measured"]})
         if hooks.progress:
             hooks.progress(done, steps, last)
-        if done % ckpt_every == 0 or done == steps:
+        stop = hooks.should_stop is not None and any_process(hooks.should_stop())
+        if done % ckpt_every == 0 or done == steps or stop:
             ckpt.save(done, state)
             write_json(run_dir / "history.json", history)
+        if stop and done < steps:
+            ckpt.close()  # waits until the checkpoint is complete on disk
+            raise Interrupted(done, ckpt.directory)
     ckpt.close()
 
     summary = evaluate(cfg, target, state, run_dir, batch_sharding)
-    if cfg.logging.plots and history:
+    if cfg.logging.plots and history and is_main_process():
         summary["plots/history"] = str(plots.plot_history(history, run_dir / "history.png"))
     summary.update({k: v for k, v in last.items() if k.startswith(("loss/", "perf/"))})
     summary["steps"] = int(state.step)
@@ -343,7 +389,7 @@ def evaluate(cfg: RunConfig, target, state: TrainState, run_dir: Path,
             target, components, {s: v["max_ci"] > thr for s, v in ci.items()}))
     else:
         summary.update(metrics.resid_one_to_one(target, components, state.ci_fn, thr))
-    if cfg.logging.plots:
+    if cfg.logging.plots and is_main_process():
         summary["plots/mean_ci"] = str(plots.plot_mean_ci(ci, run_dir / "mean_ci.png", thr))
         if isinstance(target, targets.TMS) and target.W.shape[1] == 2 \
                 and "linear1" in components.sites:

@@ -76,3 +76,19 @@ def place(tree: Any, mesh: Mesh, shard: bool) -> Any:
 
 def shardings(tree_abs: Any) -> Any:
     return jax.tree.map(lambda x: x.sharding, tree_abs)
+
+
+def put_from_host(tree: Any, shardings_tree: Any) -> Any:
+    """Arrays of `tree` (every process holds the same host copy) placed in their shardings.
+
+    Each process fills only the shards of its own devices from its own copy. `device_put` of
+    a host value onto devices of other processes would need the value sent between hosts,
+    and on a multi-host mesh a gather-then-scatter of the frozen target would cost as much
+    network traffic as the model is large, at every start.
+    """
+
+    def leaf(x, s):
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, s, lambda index: host[index])
+
+    return jax.tree.map(leaf, tree, shardings_tree)

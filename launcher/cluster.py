@@ -1,0 +1,139 @@
+"""Inside a SLURM job: this task's rank, `jax.distributed`, and the signals SLURM sends
+before it stops a job.
+
+Every task of a job runs the whole task function; this module is what makes them one run:
+one coordinator that every rank can reach, one global set of devices, and one agreed step at
+which all of them checkpoint when the job is about to be preempted or to hit its time limit.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+EXIT_REQUEUED = 75  # a rank that stopped for a requeue (EX_TEMPFAIL): not done, not failed
+
+
+@dataclass(frozen=True)
+class Ranks:
+    process_id: int = 0
+    num_processes: int = 1
+    node: int = 0
+    num_nodes: int = 1
+
+
+def in_slurm_job() -> bool:
+    """Under submitit's SLURM executor (not its local one, not a plain process)."""
+    return os.environ.get("SUBMITIT_EXECUTOR") == "slurm" and "SLURM_JOB_ID" in os.environ
+
+
+def job_ranks() -> Ranks:
+    if not in_slurm_job():
+        return Ranks()
+    import submitit
+
+    env = submitit.JobEnvironment()
+    return Ranks(env.global_rank, env.num_tasks, env.node, env.num_nodes)
+
+
+def split_cpu_devices() -> None:
+    """One simulated CPU device per core SLURM gave this task (`PDECOMP_CPU_DEVICES` wins).
+
+    The submitting process set XLA's device count for its own machine, and sbatch passes the
+    environment on; a task must count its own cores instead, before JAX starts its backend.
+    """
+    n = os.environ.get("PDECOMP_CPU_DEVICES") or os.environ.get("SLURM_CPUS_PER_TASK") or "1"
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                   os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def coordinator_address() -> str:
+    """host:port of rank 0's process, the same on every rank.
+
+    The host is the first node of the job as SLURM addresses it (`NodeAddr`): node names
+    need not resolve (emulated nodes, clusters with a private naming scheme), and JAX's own
+    SLURM detection would then wait out its timeout and abort. The port is derived from the
+    job id and the restart count, so two jobs on one node, or a requeued job whose old
+    coordinator port is still in TIME_WAIT, do not collide.
+    """
+    first = _scontrol(["show", "hostnames", os.environ["SLURM_JOB_NODELIST"]]).split()[0]
+    fields = dict(kv.split("=", 1) for kv in _scontrol(["show", "node", first, "-o"]).split()
+                  if "=" in kv)
+    host = fields.get("NodeAddr") or first
+    try:
+        host = socket.gethostbyname(host)
+    except OSError:
+        pass  # let the coordinator client report it, with the timeout below
+    job = int(os.environ["SLURM_JOB_ID"])
+    restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    return f"{host}:{20000 + (job * 7 + restart) % 40000}"
+
+
+def _scontrol(args: list[str]) -> str:
+    return subprocess.run(["scontrol", *args], check=True, capture_output=True, text=True,
+                          timeout=60).stdout
+
+
+def init_distributed(ranks: Ranks, timeout_s: int) -> None:
+    """Join the job's processes into one JAX runtime; a rank that cannot reach the
+    coordinator within `timeout_s` ends with an error that says so, instead of hanging."""
+    if ranks.num_processes == 1:
+        return
+    import jax
+
+    address = coordinator_address()
+    try:
+        jax.distributed.initialize(address, num_processes=ranks.num_processes,
+                                   process_id=ranks.process_id,
+                                   initialization_timeout=timeout_s)
+    except Exception as e:
+        raise RuntimeError(f"rank {ranks.process_id}: jax.distributed could not join the "
+                           f"coordinator at {address} within {timeout_s}s "
+                           f"(mesh.init_timeout_s): {e}") from e
+
+
+@dataclass
+class StopSignals:
+    """What SLURM asked for: its warning signal before a time limit or preemption (submitit
+    asks for USR2) means checkpoint and requeue; SIGTERM (scancel, or a requeue someone
+    else started) means checkpoint and stop."""
+
+    received: list[str] = field(default_factory=list)
+
+    def install(self) -> None:
+        usr = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"))
+        for sig in (usr, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        self._usr = usr
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.received.append(signal.Signals(signum).name)
+
+    def stop_requested(self) -> bool:
+        return bool(self.received)
+
+    def requeue_requested(self) -> bool:
+        return self._usr.name in self.received
+
+
+def requeue(max_requeues: int) -> str:
+    """Put this job back in the queue (it resumes from its checkpoint); why not, if not."""
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    if restarts >= max_requeues:
+        return (f"not requeued: the job has restarted {restarts} times "
+                f"(hydra.launcher.max_num_timeout={max_requeues})")
+    job = os.environ["SLURM_JOB_ID"]
+    _scontrol(["requeue", job])
+    return f"requeued job {job} (restart {restarts + 1} of at most {max_requeues})"
+
+
+def say(ranks: Ranks, message: str) -> None:
+    """One line on this rank's own log (every rank has one), so each rank's end is on record."""
+    print(f"[rank {ranks.process_id}/{ranks.num_processes}] {message}", file=sys.stderr,
+          flush=True)
