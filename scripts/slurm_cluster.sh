@@ -21,6 +21,9 @@ NODES=${NODES:-2}
 PORT_BASE=${PORT_BASE:-6817}
 ACCOUNTING=${ACCOUNTING:-1}
 DAEMONS="munged mariadbd slurmdbd slurmctld"   # start order; slurmd-nK follow
+# munged wants its socket on a path every directory of which anyone may enter; DIR may sit
+# under a private one (a test's temporary directory), so the socket gets its own in /tmp.
+SOCKET_DIR=/tmp/pdecomp-munge-$(printf %s "$DIR" | md5sum | cut -c1-12)
 
 alive() { [ -f "$DIR/pids/$1.pid" ] && kill -0 "$(cat "$DIR/pids/$1.pid")" 2>/dev/null; }
 
@@ -38,6 +41,7 @@ stop() {
     kill -9 "$pid" 2>/dev/null || true
     rm -f "$DIR/pids/$n.pid"
   done
+  rm -rf "$SOCKET_DIR"
   echo "stopped the cluster in $DIR"
 }
 
@@ -52,6 +56,7 @@ wait_for() {  # wait_for SECONDS WHAT COMMAND...
   local seconds=$1 what=$2; shift 2
   for _ in $(seq $((seconds * 10))); do "$@" >/dev/null 2>&1 && return 0; sleep 0.1; done
   echo "error: $what did not come up within ${seconds}s; see $DIR/log" >&2
+  tail -n 3 "$DIR"/log/*"${what%% *}"* >&2 2>/dev/null || true
   exit 1
 }
 
@@ -71,18 +76,17 @@ install_packages() {
 start() {
   [ "$(id -u)" = 0 ] || { echo "error: the local cluster needs root (its daemons run as root)" >&2; exit 1; }
   alive slurmctld && { echo "already running in $DIR"; cat "$DIR/env.sh"; return 0; }
-  mkdir -p "$DIR"/{munge,munge-socket,state,spool,log,run,pids}
+  mkdir -p "$DIR"/{munge,state,spool,log,run,pids} "$SOCKET_DIR"
   install_packages
 
   local host cpus mem_mb ctld_port dbd_port db_port sock
   host=$(hostname -s); cpus=$(nproc)
   mem_mb=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) * 8 / 10 / 1024 ))
   ctld_port=$PORT_BASE; dbd_port=$((PORT_BASE + 1)); db_port=$((PORT_BASE + 2))
-  sock="$DIR/munge-socket/munge.socket"
+  sock="$SOCKET_DIR/munge.socket"
 
-  # munge: the key directory is private; the socket needs a directory of its own that
-  # everyone may enter.
-  chmod 700 "$DIR/munge"; chmod 755 "$DIR/munge-socket"
+  # munge: the key directory is private; the socket's is open to all.
+  chmod 700 "$DIR/munge"; chmod 755 "$SOCKET_DIR"
   [ -f "$DIR/munge/munge.key" ] || mungekey --create --keyfile="$DIR/munge/munge.key"
   launch munged munged --foreground --socket="$sock" --key-file="$DIR/munge/munge.key" \
     --pid-file="$DIR/run/munged.pid" --seed-file="$DIR/munge/munged.seed" \

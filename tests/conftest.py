@@ -22,6 +22,24 @@ def console_script(name: str) -> str:
 PDECOMP = console_script("pdecomp")
 
 
+def pdecomp(args: list[str], cwd: Path, env: dict[str, str],
+            timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """The `pdecomp` console script, run to its end; its output captured."""
+    return subprocess.run([PDECOMP, *args], check=False, cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def ok(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    assert proc.returncode == 0, (proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return proc
+
+
+def load_json(path: Path) -> Any:
+    assert path.is_file(), f"missing {path}"
+    return json.loads(path.read_text())
+
+
 def run_on_cpu_devices(script: str, n: int, *args: str, timeout: int = 600) -> Any:
     """Run `script` in a fresh Python with `n` simulated CPU devices (the device count is
     fixed when JAX starts, hence the subprocess); its last stdout line, parsed as JSON."""

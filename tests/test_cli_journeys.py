@@ -11,11 +11,10 @@ import json
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
-from conftest import PDECOMP, console_script
+from conftest import console_script, load_json, ok, pdecomp
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llama"
 
@@ -39,23 +38,6 @@ ALL_GROUPS = [
     "logging.wandb_project=journeys", "logging.ckpt_every=20",
 ]
 GATE_KEYS = ("peak_bytes", "argument_bytes", "temp_bytes", "cap_bytes", "fits")
-
-
-def pdecomp(args: list[str], cwd: Path, env: dict[str, str],
-            timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PDECOMP, *args], check=False, cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def ok(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
-    assert proc.returncode == 0, (proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:])
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    return proc
-
-
-def load_json(path: Path) -> Any:
-    assert path.is_file(), f"missing {path}"
-    return json.loads(path.read_text())
 
 
 def wandb_run_dirs(run_dir: Path) -> list[Path]:

@@ -3,27 +3,13 @@ Hugging Face directory, and the 8B preset's deviceless gate for 64 B200s."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
-from typing import Any
 
 import pytest
-from conftest import PDECOMP
+from conftest import load_json, ok, pdecomp
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llama"
 QUIET = ["logging.wandb=false", "logging.progress=false"]
-
-
-def pdecomp(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    proc = subprocess.run([PDECOMP, *args], check=False, cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, (proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:])
-    return proc
-
-
-def load(path: Path) -> Any:
-    return json.loads(path.read_text())
 
 
 @pytest.mark.slow
@@ -35,9 +21,9 @@ def test_llama_tiny_chunkwise_pgd_kl_and_l0_fall(tmp_path: Path, env: dict[str, 
     half on, which is already a good reconstruction, and sparsifying trades a little of it
     away; see bench/RESULTS.md.)"""
     run_dir = tmp_path / "run"
-    proc = pdecomp(["+experiment=llama_tiny_chunkwise", "optim.steps=200", *QUIET,
-                    f"hydra.run.dir={run_dir}"], tmp_path, env)
-    history = load(run_dir / "history.json")
+    proc = ok(pdecomp(["+experiment=llama_tiny_chunkwise", "optim.steps=200", *QUIET,
+                    f"hydra.run.dir={run_dir}"], tmp_path, env, timeout=900))
+    history = load_json(run_dir / "history.json")
     first, last = history[0], history[-1]
     assert first["step"] == 1 and last["step"] == 200
 
@@ -50,7 +36,7 @@ def test_llama_tiny_chunkwise_pgd_kl_and_l0_fall(tmp_path: Path, env: dict[str, 
     assert last["loss/pgd"] > 0 and "perf/tokens_per_s" in last
     # the llama loss group replaces the schema's toy recon terms, it does not add to them
     assert {k for k in last if k.startswith("loss/recon_")} == {"loss/recon_chunkwise"}
-    s = load(run_dir / "summary.json")
+    s = load_json(run_dir / "summary.json")
     for kind in ("ci", "unmasked", "stochastic", "random", "rounded", "zero"):
         assert {f"ce/{kind}", f"kl/{kind}", f"ce_unrecovered/{kind}"} <= set(s)
     assert s["ce_unrecovered/zero"] == pytest.approx(1.0)
@@ -58,7 +44,7 @@ def test_llama_tiny_chunkwise_pgd_kl_and_l0_fall(tmp_path: Path, env: dict[str, 
     assert s["kl/stochastic"] < 0.6 * s["kl/zero"]
     assert s["steps"] == 200 and (run_dir / "mean_ci.png").exists()
     assert "CE unrecovered" in proc.stderr
-    gate = load(run_dir / "gate.json")
+    gate = load_json(run_dir / "gate.json")
     assert gate["argument_parts_bytes"]["adversary"] > 0
 
 
@@ -67,11 +53,11 @@ def test_run_from_a_hugging_face_directory(tmp_path: Path, env: dict[str, str]) 
     """model.path: the architecture comes from config.json, the weights from safetensors."""
     run_dir = tmp_path / "run"
     sites = "[layers.1.mlp.gate_proj,layers.1.mlp.up_proj,layers.1.mlp.down_proj]"
-    pdecomp(["+experiment=llama_tiny_chunkwise", f"model.path={FIXTURES / 'gqa_llama3'}",
+    ok(pdecomp(["+experiment=llama_tiny_chunkwise", f"model.path={FIXTURES / 'gqa_llama3'}",
              f"layers.sites={sites}", "optim.steps=20", "optim.faith_warmup_steps=10",
              "data.seq_len=16", "logging.log_every=10", "memory.remat=full", *QUIET,
-             f"hydra.run.dir={run_dir}"], tmp_path, env)
-    s = load(run_dir / "summary.json")
+             f"hydra.run.dir={run_dir}"], tmp_path, env, timeout=900))
+    s = load_json(run_dir / "summary.json")
     assert s["target/seed"] is None and s["steps"] == 20
     assert {k for k in s if k.startswith("live/")} == {f"live/layers.1.mlp.{w}" for w in
                                                           ("gate_proj", "up_proj", "down_proj")}
@@ -82,9 +68,9 @@ def test_llama8b_chunkwise_gate_for_64_b200s(tmp_path: Path, env: dict[str, str]
     """Journey 2 with the seed's run: 27 sites of Llama-3.1-8B at C = 49152, no weights, no
     GPU; the per-device table for 8 hosts x 8 B200s."""
     run_dir = tmp_path / "gate"
-    proc = pdecomp(["+experiment=llama8b_l18-26_chunkwise", "gate.only=true", "gate.target=b200",
-                    "mesh=fsdp64", *QUIET, f"hydra.run.dir={run_dir}"], tmp_path, env)
-    gate = load(run_dir / "gate.json")
+    proc = ok(pdecomp(["+experiment=llama8b_l18-26_chunkwise", "gate.only=true", "gate.target=b200",
+                    "mesh=fsdp64", *QUIET, f"hydra.run.dir={run_dir}"], tmp_path, env, timeout=900))
+    gate = load_json(run_dir / "gate.json")
     assert gate["target"] == "deviceless NVIDIA B200 x 64 (8 hosts)"
     assert gate["batch_size"] == 128 and gate["fits"]
     parts = gate["argument_parts_bytes"]

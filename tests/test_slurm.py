@@ -1,0 +1,256 @@
+"""`cluster=slurm` against a real SLURM cluster on this machine (scripts/slurm_cluster.sh):
+two emulated nodes, accounting on. Jobs are real sbatch jobs whose tasks become one JAX run
+over several processes (CPU devices, gloo collectives).
+
+Where the cluster cannot be started (not root, no apt) these tests skip with the reason;
+CI sets PDECOMP_REQUIRE_SLURM=1, which turns that skip into a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from conftest import load_json, ok, pdecomp
+from jax.sharding import SingleDeviceSharding
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "slurm_cluster.sh"
+
+# TMS 5-2 for a few hundred steps: long enough to interrupt, short enough for CI.
+STEPS = 600
+RUN = [f"optim.steps={STEPS}", "logging.log_every=20", "logging.ckpt_every=200",
+       "data.batch_size=256", "data.eval_batches=1", "logging.wandb=false"]
+TWO_TASKS = ["cluster=slurm", "hydra.launcher.tasks_per_node=2",
+             "hydra.launcher.cpus_per_task=1"]
+TWO_NODES = ["cluster=slurm", "hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=1",
+             "hydra.launcher.cpus_per_task=1"]
+
+
+@pytest.fixture(scope="module")
+def cluster(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory):
+    """The local cluster for this module, and the environment that reaches it."""
+    why = None
+    if os.geteuid() != 0:
+        why = "the local SLURM cluster needs root"
+    elif not any(Path(d, "apt-get").exists() for d in ("/usr/bin", "/bin")) and \
+            not Path("/usr/sbin/slurmctld").exists():
+        why = "no slurmctld and no apt-get to install it"
+    if why:
+        if os.environ.get("PDECOMP_REQUIRE_SLURM") == "1":
+            pytest.fail(f"PDECOMP_REQUIRE_SLURM=1 but {why}")
+        pytest.skip(why)
+    root = tmp_path_factory.mktemp("slurm")
+    # Ports of our own, away from a cluster someone may be running on the default ones.
+    cluster_env = {**env, "NODES": "2", "PORT_BASE": str(7000 + os.getpid() % 500 * 4 % 2000)}
+    start = subprocess.run(["bash", str(SCRIPT), "start", str(root)], env=cluster_env,
+                           capture_output=True, text=True, timeout=600, check=False)
+    assert start.returncode == 0, (start.stdout[-2000:], start.stderr[-2000:])
+    yield {**env, "SLURM_CONF": str(root / "slurm.conf")}
+    subprocess.run(["bash", str(SCRIPT), "stop", str(root)], capture_output=True, timeout=120,
+                   check=False)
+
+
+@pytest.fixture(scope="module")
+def reference(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same run in one process with two CPU devices (the toy target trains here, once)."""
+    cwd = tmp_path_factory.mktemp("reference")
+    ok(pdecomp([*RUN, f"hydra.run.dir={cwd / 'run'}"], cwd,
+               {**env, "PDECOMP_CPU_DEVICES": "2"}, timeout=600))
+    return cwd / "run"
+
+
+def submit(args: list[str], cwd: Path, env: dict[str, str],
+           timeout: float = 600) -> tuple[subprocess.CompletedProcess[str], Path, float]:
+    """`pdecomp cluster=slurm ...` to its end: the process, the sweep dir, seconds taken."""
+    sweep = cwd / "sweep"
+    t0 = time.perf_counter()
+    proc = pdecomp([*args, f"hydra.sweep.dir={sweep}"], cwd, env, timeout=timeout)
+    return proc, sweep, time.perf_counter() - t0
+
+
+def rank_logs(sweep: Path) -> dict[str, str]:
+    """Every task's stderr (submitit's `<job>_<rank>_log.err`), by file name."""
+    return {p.name: p.read_text() for p in sorted((sweep / ".submitit").glob("*/*_log.err"))}
+
+
+def losses(run_dir: Path) -> dict[int, dict[str, float]]:
+    return {h["step"]: {k: v for k, v in h.items() if k.startswith("loss/")}
+            for h in load_json(run_dir / "history.json")}
+
+
+def assert_same_losses(run_dir: Path, reference: Path, rel: float = 1e-5) -> None:
+    got, want = losses(run_dir), losses(reference)
+    assert sorted(got) == sorted(want)
+    for step in want:
+        for k, v in want[step].items():
+            assert got[step][k] == pytest.approx(v, rel=rel, abs=1e-12), (step, k)
+
+
+def final_state(run_dir: Path) -> dict[str, np.ndarray]:
+    """The last checkpoint's arrays, read on this process's one device whatever mesh wrote
+    them, keyed by their path in the TrainState."""
+    ckpt = run_dir / "checkpoints" / str(STEPS) / "default"
+    checkpointer = ocp.StandardCheckpointer()
+    meta = checkpointer.metadata(ckpt)
+    meta = getattr(meta, "item_metadata", meta)
+    one = SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), meta)
+    restored = checkpointer.restore(ckpt, target)
+    return {jax.tree_util.keystr(k): np.asarray(v)
+            for k, v in jax.tree_util.tree_leaves_with_path(restored)}
+
+
+def sacct(job: str, env: dict[str, str]) -> list[list[str]]:
+    out = subprocess.run(["sacct", "-n", "-P", "-j", job, "-o", "JobID,State,ExitCode"],
+                         env=env, capture_output=True, text=True, check=True, timeout=60)
+    return [line.split("|") for line in out.stdout.splitlines() if line]
+
+
+def job_ids(sweep: Path) -> list[str]:
+    return sorted(p.name for p in (sweep / ".submitit").iterdir() if p.is_dir())
+
+
+def check_two_process_run(proc, sweep: Path, reference: Path, hosts: int) -> None:
+    ok(proc)
+    run_dir = sweep / "0"
+    gate = load_json(run_dir / "gate.json")
+    assert gate["n_devices"] == 2 and "(2 hosts)" in gate["target"], gate["target"]
+    assert_same_losses(run_dir, reference)
+    logs = rank_logs(sweep)
+    assert len(logs) == 2, list(logs)
+    for rank, text in enumerate(logs.values()):
+        assert f"[rank {rank}/2]" in text
+    nodes = {m for text in logs.values() for m in re.findall(r"node (\d)/(\d)", text)}
+    assert nodes == ({("0", "1")} if hosts == 1 else {("0", "2"), ("1", "2")}), nodes
+    # Rank 0 alone writes the run directory's logs and reports.
+    assert len(list(run_dir.glob("*.log"))) == 1
+    assert (run_dir / "summary.json").is_file() and (run_dir / ".hydra").is_dir()
+
+
+def test_two_tasks_train_as_one_run(cluster, reference: Path, tmp_path: Path) -> None:
+    """Two tasks on one node: two JAX processes, gate first, losses of the 1-process run."""
+    proc, sweep, seconds = submit([*TWO_TASKS, *RUN], tmp_path, cluster)
+    print(f"2 tasks, {STEPS} steps: {seconds:.1f} s")
+    check_two_process_run(proc, sweep, reference, hosts=1)
+
+
+def test_two_emulated_nodes_train_as_one_run(cluster, reference: Path, tmp_path: Path) -> None:
+    proc, sweep, seconds = submit([*TWO_NODES, *RUN], tmp_path, cluster)
+    print(f"2 nodes, {STEPS} steps: {seconds:.1f} s")
+    check_two_process_run(proc, sweep, reference, hosts=2)
+
+
+def test_interrupted_job_requeues_and_ends_as_if_uninterrupted(
+        cluster, reference: Path, tmp_path: Path) -> None:
+    """SLURM's warning signal mid-run: every rank checkpoints at one step, the job requeues
+    itself, resumes there and ends with the final state of an uninterrupted run."""
+    sweep = tmp_path / "sweep"
+    t0 = time.perf_counter()
+    runner = subprocess.Popen(
+        [*pdecomp_argv([*TWO_TASKS, *RUN, f"hydra.sweep.dir={sweep}"])], cwd=tmp_path,
+        env=cluster, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        log0 = wait_for(lambda: next(iter(rank_logs(sweep).values()), ""),
+                        lambda text: "[rank 0/2] job" in text, 240, runner)
+        job = re.search(r"job (\d+) on", log0).group(1)
+        # Signal mid-run: once the first cadence checkpoint (step 200) is complete.
+        wait_for(lambda: (sweep / "0" / "checkpoints" / "200").is_dir(), bool, 240, runner)
+        subprocess.run(["scancel", "--signal=USR2", job], env=cluster, check=True, timeout=60)
+        log0 = wait_for(lambda: rank_logs(sweep).get(f"{job}_0_log.err", ""),
+                        lambda text: "requeued job" in text, 120, runner)
+        stopped_at = int(re.search(r"stopped at step (\d+)", log0).group(1))
+        # SLURM holds a requeued job about two minutes before it may start again; a real
+        # cluster waits them out, the test need not.
+        wait_for(lambda: _pending(job, cluster), bool, 60, runner)
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=cluster,
+                       check=True, timeout=60)
+        out, err = runner.communicate(timeout=600)
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+    seconds = time.perf_counter() - t0
+    print(f"interrupted at step {stopped_at}, resumed, finished: {seconds:.1f} s")
+    ok(subprocess.CompletedProcess(runner.args, runner.returncode, out, err))
+    assert 0 < stopped_at < STEPS
+    logs = rank_logs(sweep)
+    assert all(text.count("exit 75") == 1 for text in logs.values()), logs
+    assert f"resumed from checkpoint at step {stopped_at}" in logs[f"{job}_0_log.err"]
+    run_dir = sweep / "0"
+    assert_same_losses(run_dir, reference)
+    got, want = final_state(run_dir), final_state(reference)
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+def test_sweep_runs_as_a_job_array(cluster, reference: Path, tmp_path: Path) -> None:
+    short = [o for o in RUN if not o.startswith("optim.steps=")] + ["optim.steps=100"]
+    proc, sweep, seconds = submit(["-m", "cluster=slurm", *short,
+                                   "loss.imp_min_coeff=0.001,0.003,0.01"], tmp_path, cluster)
+    print(f"3-job sweep: {seconds:.1f} s")
+    ok(proc)
+    tasks = [j for j in job_ids(sweep) if "_" in j]  # the array's own folder holds none
+    (array,) = {j.split("_")[0] for j in tasks}
+    assert tasks == [f"{array}_{i}" for i in range(3)]
+    states = sacct(array, cluster)
+    assert sorted(r[0] for r in states if "." not in r[0]) == [f"{array}_{i}" for i in range(3)]
+    assert all(r[1] == "COMPLETED" for r in states if "." not in r[0]), states
+    assert "sweep summary" in proc.stdout
+    for value in ("0.001", "0.003", "0.01"):
+        assert value in proc.stdout
+    rows = load_json(sweep / "sweep_summary.json")
+    assert len(rows) == 3 and all("summary.json" in r for r in rows)
+
+
+def test_refused_gate_exits_3_on_every_rank(cluster, tmp_path: Path) -> None:
+    proc, sweep, seconds = submit([*TWO_TASKS, *RUN, "memory.hbm_cap_gib=0.00001"], tmp_path,
+                                  cluster)
+    print(f"refused gate, 2 tasks: {seconds:.1f} s")
+    assert proc.returncode == 3, (proc.stdout[-2000:], proc.stderr[-2000:])
+    said = proc.stdout + proc.stderr
+    assert "gate refused, exit 3 on every rank" in said and "Traceback" not in said
+    report = load_json(sweep / "0" / "gate.json")
+    assert report["fits"] is False
+    logs = rank_logs(sweep)
+    assert len(logs) == 2 and all("gate refused: exit 3" in t for t in logs.values()), logs
+    (job,) = job_ids(sweep)
+    steps = {r[0]: r for r in sacct(job, cluster)}
+    assert steps[job][1] == "FAILED" and steps[job][2] == "3:0", steps
+    assert not (sweep / "0" / "checkpoints").exists()
+
+
+# -- helpers for the interrupted run ------------------------------------------------------
+
+def pdecomp_argv(args: list[str]) -> list[str]:
+    from conftest import PDECOMP
+
+    return [PDECOMP, *args]
+
+
+def wait_for(read, done, seconds: float, runner: subprocess.Popen) -> Any:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = read()
+        if done(value):
+            return value
+        if runner.poll() is not None:
+            _, err = runner.communicate()
+            pytest.fail(f"pdecomp ended early ({runner.returncode}): {err[-2000:]}")
+        time.sleep(0.2)
+    pytest.fail(f"timed out after {seconds}s waiting; last: {str(value)[-2000:]}")
+
+
+def _pending(job: str, env: dict[str, str]) -> bool:
+    out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=env, capture_output=True,
+                         text=True, timeout=60, check=False).stdout
+    return "PENDING" in out
