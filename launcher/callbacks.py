@@ -76,7 +76,22 @@ def job_label(row: dict[str, Any], swept: list[str]) -> str:
     return "\n".join(f"{k}={values[k]}" for k in swept if k in values) or str(row["job"])
 
 
+def job_table(row: dict[str, Any]) -> Table:
+    """A sweep of one job (a run submitted to a cluster): its results, one per line."""
+    gate, summary = row.get("gate.json", {}), row.get("summary.json", {})
+    table = Table(title=f"job {row['job']}: {' '.join(row['overrides'])}", show_header=False)
+    if gate:
+        table.add_row("peak GiB (per device)", f"{gate['peak_bytes'] / GiB:.4f}")
+        table.add_row("fits", "yes" if gate.get("fits") else "NO")
+    for k in result_keys([row]):
+        v = summary[k]
+        table.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
+    return table
+
+
 def sweep_table(rows: list[dict[str, Any]]) -> Table:
+    if len(rows) == 1:
+        return job_table(rows[0])
     swept, keys = swept_keys(rows), result_keys(rows)
     table = Table(title="sweep summary")
     for col in ("job", *swept, "peak GiB", "temp GiB", "arg GiB", "fits", *keys):

@@ -1,0 +1,42 @@
+"""The job-side pieces of a SLURM run that need no cluster: the CPU device count a task
+takes, and what a rank does when the coordinator never answers."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from launcher import cluster
+
+
+def test_task_counts_its_own_cores(monkeypatch) -> None:
+    """sbatch passes the submitting machine's XLA flags on; a task replaces the device
+    count with its own cores and keeps every other flag."""
+    monkeypatch.delenv("PDECOMP_CPU_DEVICES", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=16 --xla_dump_to=x")
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "3")
+    cluster.split_cpu_devices()
+    flags = os.environ["XLA_FLAGS"].split()
+    assert sorted(flags) == ["--xla_dump_to=x", "--xla_force_host_platform_device_count=3"]
+    monkeypatch.setenv("PDECOMP_CPU_DEVICES", "2")
+    cluster.split_cpu_devices()
+    assert "--xla_force_host_platform_device_count=2" in os.environ["XLA_FLAGS"].split()
+
+
+def test_unreachable_coordinator_ends_the_rank_within_its_timeout() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = ("from launcher import cluster; "
+              f"cluster.init_distributed(cluster.Ranks(1, 2), 3, '127.0.0.1:{port}')")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, check=False, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    seconds = time.perf_counter() - t0
+    assert proc.returncode != 0
+    assert f"[rank 1/2] joining jax.distributed at 127.0.0.1:{port}" in proc.stderr
+    assert "mesh.init_timeout_s" in proc.stderr and "DEADLINE_EXCEEDED" in proc.stderr
+    assert seconds < 60, seconds
