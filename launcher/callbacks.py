@@ -18,7 +18,8 @@ from pdecomp.plots import plot_gate_sweep
 from pdecomp.units import GiB
 
 # The result columns shown when present in a run's summary.json, in this order.
-RESULT_PREFIXES = ("live/", "mmcs/", "ml2r/", "one_to_one/", "loss/total")
+RESULT_PREFIXES = ("live/", "mmcs/", "ml2r/", "one_to_one/", "kl/", "ce_unrecovered/",
+                   "loss/total")
 
 # gate.json sizes written to the CSV in GiB (`<name>_bytes` -> `<name>_gib`), then other fields.
 GATE_SIZES = ("argument", "output", "temp", "alias", "host_temp", "peak", "xla_peak", "cap",
@@ -79,7 +80,8 @@ def job_label(row: dict[str, Any], swept: list[str]) -> str:
 def job_table(row: dict[str, Any]) -> Table:
     """A sweep of one job (a run submitted to a cluster): its results, one per line."""
     gate, summary = row.get("gate.json", {}), row.get("summary.json", {})
-    table = Table(title=f"job {row['job']}: {' '.join(row['overrides'])}", show_header=False)
+    table = Table(title=f"job {row['job']}", show_header=False)
+    table.add_row("overrides", " ".join(row["overrides"]))
     if gate:
         table.add_row("peak GiB (per device)", f"{gate['peak_bytes'] / GiB:.4f}")
         table.add_row("fits", "yes" if gate.get("fits") else "NO")

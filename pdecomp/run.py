@@ -177,18 +177,15 @@ def batch_sampler(cfg: RunConfig, batch_sharding: NamedSharding, key: Array,
 
 
 def load_toy_target(model, log: Callable[[str], None]) -> tuple[Any, dict[str, Any]]:
-    """A toy target from its cache; rank 0 trains and caches it first when it is missing,
-    so that the ranks of a job neither train it once each nor read a cache being written."""
-    if jax.process_count() == 1:
+    """A toy target from its cache. In a multi-process job rank 0 trains and caches a
+    missing one while the others wait for the cache entry, so every process reads the same
+    weights. The wait is on the file, not a collective: training can outlast any collective
+    timeout, and a rank 0 that fails ends the job (srun --kill-on-bad-exit)."""
+    if is_main_process() or targets.is_cached(model):
         return targets.load_or_train_target(model, log=log)
-    from jax.experimental import multihost_utils
-
-    if is_main_process():
-        out = targets.load_or_train_target(model, log=log)
-    multihost_utils.sync_global_devices("pdecomp: toy target cached")
-    if not is_main_process():
-        out = targets.load_or_train_target(model, log=lambda _: None)
-    return out
+    while not targets.is_cached(model):
+        time.sleep(1.0)
+    return targets.load_or_train_target(model, log=log)
 
 
 def any_process(flag: bool) -> bool:

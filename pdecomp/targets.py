@@ -207,6 +207,16 @@ def cache_dir(cfg: ModelConfig) -> Path:
     return Path(root) / "targets"
 
 
+def cache_path(cfg: ModelConfig) -> Path:
+    return cache_dir(cfg) / f"{cfg.name}-{cache_key(cfg)}"
+
+
+def is_cached(cfg: ModelConfig) -> bool:
+    """A complete cache entry (entries appear whole, by rename)."""
+    path = cache_path(cfg)
+    return (path / "meta.json").exists() and (path / "target.eqx").exists()
+
+
 def load_or_train_target(cfg: ModelConfig, log: Callable[[str], None] = print,
                          on_progress: Callable[[int, float], None] | None = None
                          ) -> tuple[Target, dict[str, object]]:
@@ -215,9 +225,9 @@ def load_or_train_target(cfg: ModelConfig, log: Callable[[str], None] = print,
     A target that misses a feature is retrained with the next seed, up to `max_retrain`
     times; if none represents every feature this raises TargetError.
     """
-    path = cache_dir(cfg) / f"{cfg.name}-{cache_key(cfg)}"
+    path = cache_path(cfg)
     skeleton = init_target(jax.random.PRNGKey(0), cfg)
-    if (path / "meta.json").exists() and (path / "target.eqx").exists():
+    if is_cached(cfg):
         meta = json.loads((path / "meta.json").read_text())
         try:
             return eqx.tree_deserialise_leaves(path / "target.eqx", skeleton), meta

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,9 +87,16 @@ class SlurmLauncher(BaseSubmititLauncher):
                       config=sweep_config, job_dir_key=job_dir_key,
                       job_subdir_key="hydra.sweep.subdir")
         if ret.status == JobStatus.FAILED:
-            # Hydra keeps a task's exception in its JobReturn; raise it so this rank exits
-            # non-zero and srun (--kill-on-bad-exit) ends the others, instead of leaving them
-            # waiting in a collective for a rank that is gone.
+            # Hydra keeps a task's exception in its JobReturn. Of several ranks, the failing
+            # one leaves at once: a normal exit would first wait (minutes) in jax.distributed's
+            # shutdown barrier for ranks that are still working; srun's --kill-on-bad-exit
+            # then ends those.
+            if env.num_tasks > 1:
+                traceback.print_exception(ret._return_value, file=sys.stderr)
+                print(f"[rank {env.global_rank}/{env.num_tasks}] failed: exit 1",
+                      file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                os._exit(1)
             raise ret._return_value
         return ret
 
