@@ -134,12 +134,18 @@ class SlurmLauncher(BaseSubmititLauncher):
         """Rank 0's JobReturn; for a job that produced none, a stand-in that says why."""
         import submitit
 
-        try:
-            return job.results()[0]
-        except (submitit.core.utils.UncompletedJobError,
-                submitit.core.utils.FailedJobError) as e:
-            lines = [x.strip() for x in str(e).splitlines() if x.strip()]
-            error = lines[-1] if lines else type(e).__name__  # a traceback's last line
+        job.wait()  # a result file, or SLURM says the job ended
+        state = job.state.split()[0].upper()  # e.g. "CANCELLED by 0"
+        error = f"SLURM state {state}"
+        # A job that ended without writing a result is not waited on further (submitit would
+        # give a slow shared file system another 15 s to show the file).
+        if state == "COMPLETED" or job.paths.result_pickle.exists():
+            try:
+                return job.results()[0]
+            except (submitit.core.utils.UncompletedJobError,
+                    submitit.core.utils.FailedJobError) as e:
+                lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+                error = lines[-1] if lines else type(e).__name__  # a traceback's last line
         # The job directory follows hydra.sweep.subdir, which conf/config.yaml sets to the
         # job number.
         job_dir = sweep_dir / str(num)
@@ -151,8 +157,8 @@ class SlurmLauncher(BaseSubmititLauncher):
                       f"report: {gate}")
         else:
             code, value = 1, {"failed": True, "error": error}
-            log.error(f"job #{num} ({job.job_id}) ended without a result ({job.state}): "
-                      f"{error}; log: {job.paths.stderr}")
+            log.error(f"job #{num} ({job.job_id}) ended without a result: {error}; "
+                      f"log: {job.paths.stderr}")
         if outcome["exit_code"] == 0:
             outcome["exit_code"] = code
         return JobReturn(overrides=overrides, cfg=DictConfig({}), hydra_cfg=self.config,
