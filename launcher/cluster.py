@@ -72,7 +72,8 @@ def coordinator_address() -> str:
         pass  # let the coordinator client report it, with the timeout below
     job = int(os.environ["SLURM_JOB_ID"])
     restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
-    return f"{host}:{20000 + (job * 7 + restart) % 40000}"
+    # Below 32768, where Linux starts handing out ephemeral ports.
+    return f"{host}:{20000 + (job * 7 + restart) % 12000}"
 
 
 def _scontrol(args: list[str]) -> str:
@@ -94,8 +95,24 @@ def init_distributed(ranks: Ranks, timeout_s: int, address: str | None = None) -
     address = address or coordinator_address()
     say(ranks, f"joining jax.distributed at {address} (waits up to {timeout_s}s: "
                "mesh.init_timeout_s)")
+    # JAX's own SLURM detection would give each process only GPU number SLURM_LOCALID, also
+    # when one process per node is meant to drive all of the node's GPUs.
     jax.distributed.initialize(address, num_processes=ranks.num_processes,
-                               process_id=ranks.process_id, initialization_timeout=timeout_s)
+                               process_id=ranks.process_id,
+                               local_device_ids=local_device_ids(),
+                               cluster_detection_method="deactivate",
+                               initialization_timeout=timeout_s)
+
+
+def local_device_ids() -> list[int] | None:
+    """The GPUs (ordinals among those visible) this process drives: all it sees (None),
+    unless several tasks on this node see the same GPUs, which they then split evenly."""
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+    per_node = int(re.match(r"\d+", os.environ.get("SLURM_TASKS_PER_NODE", "1")).group())
+    if len(visible) <= 1 or per_node <= 1 or len(visible) % per_node:
+        return None
+    k, local = len(visible) // per_node, int(os.environ.get("SLURM_LOCALID", "0"))
+    return list(range(local * k, (local + 1) * k))
 
 
 @dataclass
@@ -129,7 +146,10 @@ def requeue(max_requeues: int) -> str:
         return (f"not requeued: the job has restarted {restarts} times "
                 f"(hydra.launcher.max_num_timeout={max_requeues})")
     job = os.environ["SLURM_JOB_ID"]
-    _scontrol(["requeue", job])
+    try:
+        _scontrol(["requeue", job])
+    except subprocess.CalledProcessError as e:
+        return f"not requeued: scontrol requeue {job} failed: {e.stderr.strip()}"
     return f"requeued job {job} (restart {restarts + 1} of at most {max_requeues})"
 
 

@@ -230,6 +230,9 @@ class GateConfig:
 class LoggingConfig:
     log_every: int = 100
     ckpt_every: int = 2000  # 0: only at the end
+    # How often the processes of a job agree whether a scheduler asked them to stop (a
+    # collective; SLURM warns `signal_delay_s` ahead, which must cover this many steps).
+    stop_check_every: int = 10
     wandb: bool = True
     wandb_project: str = "pdecomp"
     progress: bool = True
@@ -446,6 +449,7 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
     _positive("gate.calibrate_after", g.calibrate_after)
     _positive("logging.log_every", cfg.logging.log_every)
     _positive("logging.ckpt_every", cfg.logging.ckpt_every, zero_ok=True)
+    _positive("logging.stop_check_every", cfg.logging.stop_check_every)
 
 
 def _validate_llama(m: ModelConfig) -> None:

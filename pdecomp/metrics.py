@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Sharding
 from jaxtyping import Array
 
 from pdecomp import losses
@@ -82,10 +83,13 @@ def lm_mask_metrics(target, components: Components, ci_fn, batches: Sequence[Arr
 
 
 def ci_summary(target, components: Components, ci_fn, batches: Iterable[Array],
-               threshold: float) -> dict[str, dict[str, np.ndarray | float]]:
+               threshold: float, replicated: Sharding | None = None
+               ) -> dict[str, dict[str, np.ndarray | float]]:
     """Per site: max and mean CI per component over the batches, L0 and live components.
 
-    A component is live when its CI exceeds the threshold on some input.
+    A component is live when its CI exceeds the threshold on some input. `replicated` (the
+    mesh's fully replicated sharding) lets every process of a multi-process job read the
+    per-component results, also when the components are split across processes.
     """
     def reduce(x):  # on the devices: only [C]-sized results reach the host, from any rank
         out = {}
@@ -95,7 +99,7 @@ def ci_summary(target, components: Components, ci_fn, batches: Iterable[Array],
             out[s] = (v.max(0), v.sum(0), (v > threshold).sum(0), v.shape[0])
         return out
 
-    reduce_jit = jax.jit(reduce)
+    reduce_jit = jax.jit(reduce, **({} if replicated is None else {"out_shardings": replicated}))
     acc: dict[str, dict] = {}
     n = 0
     for x in batches:

@@ -128,6 +128,8 @@ def preflight(cfg: RunConfig) -> None:
     is made."""
     validate(cfg, n_devices=None if sharding.is_deviceless(cfg) else len(jax.devices()))
     sharding.check_target(cfg)
+    if not sharding.is_deviceless(cfg):
+        sharding.make_mesh(cfg)  # its checks: every process of the job has devices in it
     if cfg.model.kind == "llama":
         if cfg.model.path:
             try:
@@ -176,16 +178,28 @@ def batch_sampler(cfg: RunConfig, batch_sharding: NamedSharding, key: Array,
         shape, batch_sharding, lambda index: stream.rows(i, B, index[0]))
 
 
+TARGET_WAIT_S = 3600  # how long other ranks wait for rank 0 to train and cache a toy target
+
+
 def load_toy_target(model, log: Callable[[str], None]) -> tuple[Any, dict[str, Any]]:
     """A toy target from its cache. In a multi-process job rank 0 trains and caches a
-    missing one while the others wait for the cache entry, so every process reads the same
-    weights. The wait is on the file, not a collective: training can outlast any collective
-    timeout, and a rank 0 that fails ends the job (srun --kill-on-bad-exit)."""
-    if is_main_process() or targets.is_cached(model):
+    missing one while the others wait for the cache entry, and then every process reads
+    that entry, so all hold the same weights (whoever won a race to write it). The wait is
+    on the file, not a collective: training can outlast any collective timeout, and a rank
+    0 that fails ends the job (srun --kill-on-bad-exit)."""
+    if jax.process_count() == 1:
         return targets.load_or_train_target(model, log=log)
+    if is_main_process():
+        targets.load_or_train_target(model, log=log)
+    deadline = time.monotonic() + TARGET_WAIT_S
     while not targets.is_cached(model):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rank {jax.process_index()}: no toy target at "
+                               f"{targets.cache_path(model)} after {TARGET_WAIT_S}s; the "
+                               "cache ($PDECOMP_CACHE) must be on a file system every node "
+                               "of the job shares")
         time.sleep(1.0)
-    return targets.load_or_train_target(model, log=log)
+    return targets.load_or_train_target(model, log=lambda _: None)
 
 
 def any_process(flag: bool) -> bool:
@@ -337,7 +351,8 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
                     "hbm/predicted_over_measured": report["predicted_over_measured"]})
         if hooks.progress:
             hooks.progress(done, steps, last)
-        stop = hooks.should_stop is not None and any_process(hooks.should_stop())
+        stop = (hooks.should_stop is not None and done % cfg.logging.stop_check_every == 0
+                and any_process(hooks.should_stop()))
         if done % ckpt_every == 0 or done == steps or stop:
             ckpt.save(done, state)
             write_json(run_dir / "history.json", history)
@@ -372,7 +387,12 @@ def evaluate(cfg: RunConfig, target, state: TrainState, run_dir: Path,
     eval_key = jax.random.PRNGKey(cfg.seed + EVAL_SEED_OFFSET)
     sample = batch_sampler(cfg, batch_sharding, eval_key, EVAL_SEED_OFFSET)
     batches = [sample(i) for i in range(cfg.data.eval_batches)]
-    ci = metrics.ci_summary(target, components, state.ci_fn, batches, thr)
+    replicated = NamedSharding(batch_sharding.mesh, P())
+    if cfg.model.kind != "llama":
+        # The toys' ground-truth metrics read weights on the host: every process needs its
+        # whole copy (they are tiny), also when the state is split across processes (FSDP).
+        target, components = jax.jit(lambda t: t, out_shardings=replicated)((target, components))
+    ci = metrics.ci_summary(target, components, state.ci_fn, batches, thr, replicated)
     summary: dict[str, Any] = {}
     for s, v in ci.items():
         summary[f"live/{s}"] = v["live"]

@@ -53,6 +53,11 @@ def make_mesh(cfg: RunConfig) -> Mesh:
     devices = jax.devices()
     n = me.data or (me.hosts * me.gpus_per_host if me.gpus_per_host else
                     max(k for k in range(1, len(devices) + 1) if cfg.data.batch_size % k == 0))
+    processes = {d.process_index for d in devices[:n]}
+    if len(processes) < jax.process_count():  # a process with no device would have no work
+        raise ConfigError("mesh.data", n, f"the mesh must take devices of all "
+                          f"{jax.process_count()} processes of this job ({len(devices)} "
+                          f"devices): make data.batch_size a multiple of {len(devices)}")
     return Mesh(np.array(devices[:n]), (AXIS,))
 
 

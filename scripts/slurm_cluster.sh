@@ -173,6 +173,7 @@ EOF
   export SLURM_CONF="$DIR/slurm.conf"
 
   if [ "$ACCOUNTING" = 1 ]; then
+    : >"$DIR/log/slurmdbd.log"  # it appends: an old "started" must not count
     launch slurmdbd slurmdbd -D
     wait_for 30 slurmdbd grep -q started "$DIR/log/slurmdbd.log"
   fi
@@ -181,7 +182,7 @@ EOF
     launch "slurmd-n$i" slurmd -D -N "n$i" -f "$SLURM_CONF"
   done
   wait_for 30 "$NODES idle node(s)" bash -c \
-    "[ \$(sinfo -h -N -o %T 2>/dev/null | grep -c idle) -ge $NODES ]"
+    "[ \$(sinfo -h -N -o %T 2>/dev/null | grep -cx idle) -ge $NODES ]"
   sinfo -N
   echo "cluster up in $DIR: source $DIR/env.sh"
 }

@@ -26,6 +26,17 @@ def test_task_counts_its_own_cores(monkeypatch) -> None:
     assert "--xla_force_host_platform_device_count=2" in os.environ["XLA_FLAGS"].split()
 
 
+def test_gpus_split_only_between_tasks_that_share_them(monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "1(x8)")
+    assert cluster.local_device_ids() is None  # one process drives all eight
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "4(x2)")
+    monkeypatch.setenv("SLURM_LOCALID", "3")
+    assert cluster.local_device_ids() == [6, 7]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")  # SLURM bound one GPU to each task
+    assert cluster.local_device_ids() is None
+
+
 def test_unreachable_coordinator_ends_the_rank_within_its_timeout() -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

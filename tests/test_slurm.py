@@ -51,7 +51,8 @@ def cluster(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory):
         pytest.skip(why)
     root = tmp_path_factory.mktemp("slurm")
     # Ports of our own, away from a cluster someone may be running on the default ones.
-    cluster_env = {**env, "NODES": "2", "PORT_BASE": str(7000 + os.getpid() % 500 * 4 % 2000)}
+    # (A cluster takes PORT_BASE .. PORT_BASE + 12.)
+    cluster_env = {**env, "NODES": "2", "PORT_BASE": str(7000 + os.getpid() % 200 * 20)}
     start = subprocess.run(["bash", str(SCRIPT), "start", str(root)], env=cluster_env,
                            capture_output=True, text=True, timeout=600, check=False)
     assert start.returncode == 0, (start.stdout[-2000:], start.stderr[-2000:])
