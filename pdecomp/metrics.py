@@ -54,8 +54,8 @@ def lm_mask_metrics(target, components: Components, ci_fn, batches: Sequence[Arr
     ablating every site."""
     sites = tuple(components.sites)
 
-    @jax.jit
-    def one(tokens, key):
+    @jax.jit  # the model and its components are arguments, not constants of the program
+    def one(target, components, ci_fn, tokens, key):
         prefix, suffix = target.split(sites, dtype)
         resid = prefix(tokens)
         record: dict[str, Array] = {}
@@ -73,7 +73,7 @@ def lm_mask_metrics(target, components: Components, ci_fn, batches: Sequence[Arr
 
     totals: dict[str, float] = {}
     for i, tokens in enumerate(batches):
-        for k, v in one(tokens, jax.random.fold_in(key, i)).items():
+        for k, v in one(target, components, ci_fn, tokens, jax.random.fold_in(key, i)).items():
             totals[k] = totals.get(k, 0.0) + float(v) / len(batches)
     ce_t, ce_z = totals["ce/target"], totals["ce/zero"]
     for kind in MASK_KINDS:
@@ -91,7 +91,7 @@ def ci_summary(target, components: Components, ci_fn, batches: Iterable[Array],
     mesh's fully replicated sharding) lets every process of a multi-process job read the
     per-component results, also when the components are split across processes.
     """
-    def reduce(x):  # on the devices: only [C]-sized results reach the host, from any rank
+    def reduce(target, components, ci_fn, x):  # only [C]-sized results reach the host
         out = {}
         for s, v in causal_importances(target, components, ci_fn, x).items():
             v = v.reshape(-1, v.shape[-1])
@@ -103,7 +103,7 @@ def ci_summary(target, components: Components, ci_fn, batches: Iterable[Array],
     acc: dict[str, dict] = {}
     n = 0
     for x in batches:
-        for s, (vmax, vsum, active, rows) in reduce_jit(x).items():
+        for s, (vmax, vsum, active, rows) in reduce_jit(target, components, ci_fn, x).items():
             vmax, vsum = np.asarray(vmax, np.float64), np.asarray(vsum, np.float64)
             a = acc.setdefault(s, {"max": np.zeros(vmax.shape), "sum": np.zeros(vmax.shape),
                                    "l0": 0.0})

@@ -297,11 +297,13 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
         state = ckpt.restore(state_abs, start)
         hooks.log(f"resumed from checkpoint at step {start}")
     else:
-        state = jax.jit(lambda k: init_state(k, cfg, target),
-                        out_shardings=sharding.shardings(state_abs))(init_key)
-        components = jax.jit(lambda c: faithfulness_warmup(cfg, c, target),
+        # The target goes in as an argument: closed over, it would be copied into the
+        # program as a constant, which a target split across processes cannot be.
+        state = jax.jit(lambda k, t: init_state(k, cfg, t),
+                        out_shardings=sharding.shardings(state_abs))(init_key, target)
+        components = jax.jit(lambda c, t: faithfulness_warmup(cfg, c, t),
                              out_shardings=sharding.shardings(state_abs.components))(
-            state.components)
+            state.components, target)
         state = eqx.tree_at(lambda s: s.components, state, components)
         start = 0
 

@@ -209,14 +209,16 @@ def faithfulness_warmup(cfg: RunConfig, components: Components, target) -> Compo
     sites = set(site_C(cfg))
     weights = {s: W for s, W in target.site_weights().items() if s in sites}
 
-    def faith(comps):
+    def faith(comps, weights):
         return losses.faithfulness(weight_deltas(weights, with_tied(comps, tied)))
 
+    # The weights are an argument, not a closure: a closed-over array becomes a constant in
+    # the program (a copy of the target's weights), and one split across processes cannot.
     @jax.jit
-    def run(components):
+    def run(components, weights):
         def body(_, carry):
             comps, opt_state = carry
-            grads = jax.grad(faith)(comps)
+            grads = jax.grad(faith)(comps, weights)
             updates, opt_state = opt.update(grads, opt_state, comps)
             return optax.apply_updates(comps, updates), opt_state
 
@@ -224,7 +226,7 @@ def faithfulness_warmup(cfg: RunConfig, components: Components, target) -> Compo
                                      (components, opt.init(components)))
         return comps
 
-    return run(components)
+    return run(components, weights)
 
 
 def make_train_step(cfg: RunConfig) -> Callable:

@@ -146,7 +146,10 @@ def test_two_tasks_train_as_one_run(cluster, reference: Path, tmp_path: Path) ->
 
 
 def test_two_emulated_nodes_train_as_one_run(cluster, reference: Path, tmp_path: Path) -> None:
-    proc, sweep, seconds = submit([*TWO_NODES, *RUN], tmp_path, cluster)
+    """Two nodes, with the state split across them (FSDP): the target, components and
+    optimizer state each live half on one process, half on the other."""
+    proc, sweep, seconds = submit([*TWO_NODES, *RUN, "mesh.shard_state=true"], tmp_path,
+                                  cluster)
     print(f"2 nodes, {STEPS} steps: {seconds:.1f} s")
     check_two_process_run(proc, sweep, reference, hosts=2)
 
