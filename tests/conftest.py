@@ -40,15 +40,46 @@ def load_json(path: Path) -> Any:
     return json.loads(path.read_text())
 
 
+TESTS_DIR = str(Path(__file__).resolve().parent)
+
+
 def run_on_cpu_devices(script: str, n: int, *args: str, timeout: int = 600) -> Any:
     """Run `script` in a fresh Python with `n` simulated CPU devices (the device count is
-    fixed when JAX starts, hence the subprocess); its last stdout line, parsed as JSON."""
+    fixed when JAX starts, hence the subprocess); its last stdout line, parsed as JSON.
+    The script can import the tests' helpers (`from conftest import train_on_all_devices`)."""
+    path = os.pathsep.join(p for p in (TESTS_DIR, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}",
-           "JAX_PLATFORMS": "cpu"}
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
     res = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
                          text=True, check=False, timeout=timeout)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def train_on_all_devices(cfg: Any, target_seed: int, state_seed: int, batches: list[Any]
+                         ) -> tuple[Any, list[dict[str, float]]]:
+    """One train step of `cfg` per batch on a data mesh of every device (state replicated,
+    batch split): the final state and each step's metrics."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from pdecomp import targets
+    from pdecomp.train import init_state, make_train_step
+
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    rep, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    target = jax.device_put(targets.init_target(jax.random.PRNGKey(target_seed), cfg.model), rep)
+    state = jax.device_put(init_state(jax.random.PRNGKey(state_seed), cfg, target), rep)
+    step = jax.jit(make_train_step(cfg))
+    history = []
+    for batch in batches:
+        state, m = step(state, target, jax.device_put(batch, shard))
+        # More simulated devices than cores: waiting on each step keeps collectives fed.
+        jax.block_until_ready(m)
+        history.append({k: float(v) for k, v in m.items()})
+    return state, history
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,12 @@ SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from pdecomp import losses, targets
-    from pdecomp.config import RunConfig, ModelConfig
+    from pdecomp.config import RunConfig
     from pdecomp.ci import ci_upper
-    from pdecomp.train import init_state, make_train_step
+    from conftest import train_on_all_devices
 
     mesh = Mesh(np.array(jax.devices()), ("data",))
-    rep, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    shard = NamedSharding(mesh, P("data"))
     out = {"n_devices": len(jax.devices())}
 
     # imp-min on a batch-sharded CI tensor, with beta > 0 so the global sum matters.
@@ -29,16 +29,9 @@ SCRIPT = textwrap.dedent("""
     # Five whole train steps of TMS 5-2 (an untrained target is enough to compare numbers).
     cfg = RunConfig()
     cfg = dc.replace(cfg, data=dc.replace(cfg.data, batch_size=512))
-    target = jax.device_put(targets.init_target(jax.random.PRNGKey(1), cfg.model), rep)
-    state = jax.device_put(init_state(jax.random.PRNGKey(2), cfg, target), rep)
-    step = jax.jit(make_train_step(cfg))
-    hist = []
-    for i in range(5):
-        x = jax.device_put(targets.sample_inputs(jax.random.PRNGKey(10 + i), cfg.model, 512), shard)
-        state, m = step(state, target, x)
-        jax.block_until_ready(m)
-        hist.append({k: float(v) for k, v in m.items()})
-    out["history"] = hist
+    batches = [targets.sample_inputs(jax.random.PRNGKey(10 + i), cfg.model, 512)
+               for i in range(5)]
+    _, out["history"] = train_on_all_devices(cfg, 1, 2, batches)
     print(json.dumps(out))
 """)
 

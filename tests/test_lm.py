@@ -4,7 +4,6 @@ PGD (scopes, ascent, averaged gradient, 1 vs 8 devices) and the state's checkpoi
 from __future__ import annotations
 
 import dataclasses as dc
-import os
 import textwrap
 from collections.abc import Callable
 from typing import NamedTuple
@@ -246,33 +245,20 @@ def test_remat_policies_keep_the_numbers(setup, remat):
 
 
 SCRIPT = textwrap.dedent("""
-    import json, sys
-    sys.path.insert(0, sys.argv[1])
+    import json, dataclasses as dc
     import jax, numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from conftest import train_on_all_devices
     from test_lm import tiny_cfg, tokens
-    from pdecomp import targets
-    from pdecomp.train import init_state, make_train_step
-    mesh = Mesh(np.array(jax.devices()), ("data",))
-    rep, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     cfg = tiny_cfg()
-    import dataclasses as dc
     cfg = dc.replace(cfg, data=dc.replace(cfg.data, batch_size=8))
-    target = jax.device_put(targets.init_target(jax.random.PRNGKey(0), cfg.model), rep)
-    state = jax.device_put(init_state(jax.random.PRNGKey(1), cfg, target), rep)
-    step = jax.jit(make_train_step(cfg))
-    hist = []
-    for i in range(3):
-        state, m = step(state, target, jax.device_put(tokens(cfg, i), shard))
-        hist.append({k: float(v) for k, v in m.items()})
+    state, hist = train_on_all_devices(cfg, 0, 1, [tokens(cfg, i) for i in range(3)])
     src = {s: np.asarray(v).tolist() for s, v in state.adversary.sources.items()}
     print(json.dumps({"n": len(jax.devices()), "hist": hist, "src": src}))
 """)
 
 
 def test_lm_steps_and_shared_sources_match_on_1_and_8_devices():
-    here = os.path.dirname(__file__)
-    one, eight = run_on_cpu_devices(SCRIPT, 1, here), run_on_cpu_devices(SCRIPT, 8, here)
+    one, eight = run_on_cpu_devices(SCRIPT, 1), run_on_cpu_devices(SCRIPT, 8)
     assert (one["n"], eight["n"]) == (1, 8)
     for a, b in zip(one["hist"], eight["hist"]):
         for k in a:
