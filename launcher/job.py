@@ -82,9 +82,10 @@ def _discard(run_dir: Path) -> None:
 
 def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
     # In a SLURM job every task runs this; they become one JAX runtime before JAX starts.
+    in_slurm = cluster.in_slurm_job()
     ranks = cluster.job_ranks()
     signals: cluster.StopSignals | None = None
-    if cluster.in_slurm_job():
+    if in_slurm:
         cluster.split_cpu_devices()
 
     from pdecomp.run import GateRefused, Hooks, Interrupted, decompose, preflight
@@ -99,7 +100,7 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
     run_dir = Path(hc.runtime.output_dir)
     multirun = hc.mode == RunMode.MULTIRUN
     rank0 = ranks.process_id == 0
-    if cluster.in_slurm_job():
+    if in_slurm:
         cluster.init_distributed(ranks, cfg.mesh.init_timeout_s)
         signals = cluster.StopSignals()
         signals.install()
@@ -146,10 +147,10 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
             console.print(f"[red]{e}[/red]  (report: {run_dir / 'gate.json'})")
         if wb:
             wb.finish(exit_code=EXIT_GATE_REFUSED)
-        if multirun and not cluster.in_slurm_job():
-            return {"refused": True, "gate": e.report}
-        if cluster.in_slurm_job():
+        if in_slurm:  # every rank exits 3; the launcher reports the job
             cluster.say(ranks, f"gate refused: exit {EXIT_GATE_REFUSED}")
+        elif multirun:  # in-process sweeps go on to their next run
+            return {"refused": True, "gate": e.report}
         sys.exit(EXIT_GATE_REFUSED)
     except Interrupted as e:
         assert signals is not None

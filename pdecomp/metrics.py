@@ -83,7 +83,7 @@ def lm_mask_metrics(target, components: Components, ci_fn, batches: Sequence[Arr
 
 
 def ci_summary(target, components: Components, ci_fn, batches: Iterable[Array],
-               threshold: float, replicated: Sharding | None = None
+               threshold: float, replicated: Sharding
                ) -> dict[str, dict[str, np.ndarray | float]]:
     """Per site: max and mean CI per component over the batches, L0 and live components.
 
@@ -99,7 +99,7 @@ def ci_summary(target, components: Components, ci_fn, batches: Iterable[Array],
             out[s] = (v.max(0), v.sum(0), (v > threshold).sum(0), v.shape[0])
         return out
 
-    reduce_jit = jax.jit(reduce, **({} if replicated is None else {"out_shardings": replicated}))
+    reduce_jit = jax.jit(reduce, out_shardings=replicated)
     acc: dict[str, dict] = {}
     n = 0
     for x in batches:

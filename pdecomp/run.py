@@ -57,8 +57,8 @@ class Hooks:
     on_metrics: Callable[[int, dict[str, float]], None] | None = None
     on_gate: Callable[[dict[str, Any]], None] | None = None
     progress: Callable[[int, int, dict[str, float]], None] | None = None
-    # Asked after every step; True on any process stops every process at that step, with a
-    # checkpoint (raises Interrupted).
+    # Asked every `logging.stop_check_every` steps; True on any process stops every process
+    # at that step, with a checkpoint (raises Interrupted).
     should_stop: Callable[[], bool] | None = None
 
 

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import load_json, ok, pdecomp
+from conftest import PDECOMP, load_json, ok, pdecomp
 from jax.sharding import SingleDeviceSharding
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -161,7 +161,7 @@ def test_interrupted_job_requeues_and_ends_as_if_uninterrupted(
     sweep = tmp_path / "sweep"
     t0 = time.perf_counter()
     runner = subprocess.Popen(
-        [*pdecomp_argv([*TWO_TASKS, *RUN, f"hydra.sweep.dir={sweep}"])], cwd=tmp_path,
+        [PDECOMP, *TWO_TASKS, *RUN, f"hydra.sweep.dir={sweep}"], cwd=tmp_path,
         env=cluster, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         log0 = wait_for(lambda: next(iter(rank_logs(sweep).values()), ""),
@@ -234,12 +234,6 @@ def test_refused_gate_exits_3_on_every_rank(cluster, tmp_path: Path) -> None:
 
 
 # -- helpers for the interrupted run ------------------------------------------------------
-
-def pdecomp_argv(args: list[str]) -> list[str]:
-    from conftest import PDECOMP
-
-    return [PDECOMP, *args]
-
 
 def wait_for(read, done, seconds: float, runner: subprocess.Popen) -> Any:
     deadline = time.monotonic() + seconds

@@ -30,6 +30,7 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, SlurmQue
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from launcher import cluster
 from pdecomp.config import EXIT_GATE_REFUSED
 
 log = logging.getLogger(__name__)
@@ -93,8 +94,7 @@ class SlurmLauncher(BaseSubmititLauncher):
             # then ends those.
             if env.num_tasks > 1:
                 traceback.print_exception(ret._return_value, file=sys.stderr)
-                print(f"[rank {env.global_rank}/{env.num_tasks}] failed: exit 1",
-                      file=sys.stderr, flush=True)
+                cluster.say(cluster.job_ranks(), "failed: exit 1")
                 sys.stdout.flush()
                 os._exit(1)
             raise ret._return_value
