@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import OverrideParseException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from hydra_plugins.pdecomp_launcher import slurm_launcher
 from launcher.registry import register, to_run_config
@@ -105,12 +105,14 @@ def check_overrides(overrides: list[str]) -> bool:
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         for combo in itertools.islice(itertools.product(*choices), MAX_CHECKED_COMBOS):
-            validate(to_run_config(compose(config_name="config", overrides=list(combo))))
-        hydra_cfg = compose(config_name="config", overrides=[o.input_line for o in parsed
-                                                             if not o.is_sweep_override()],
-                            return_hydra_config=True).hydra
+            composed = compose(config_name="config", overrides=list(combo),
+                               return_hydra_config=True)
+            launcher = str(composed.hydra.launcher.get("_target_", ""))
+            with open_dict(composed):  # Hydra's node holds job-time interpolations
+                del composed["hydra"]
+            validate(to_run_config(composed))
     GlobalHydra.instance().clear()
-    return not str(hydra_cfg.launcher.get("_target_", "")).endswith("BasicLauncher")
+    return not launcher.endswith("BasicLauncher")
 
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
