@@ -209,7 +209,9 @@ def print_findings(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> No
         masks = Table(title=f"every site masked; target CE {summary['ce/target']:.4f}")
         for col in ("mask", "CE", "KL to target", "CE unrecovered"):
             masks.add_column(col)
-        for kind in MASK_KINDS:
+        for kind in (*MASK_KINDS, "pgd"):
+            if f"ce/{kind}" not in summary:  # pgd: loss.eval_pgd.n_steps=0
+                continue
             masks.add_row(kind, f"{summary[f'ce/{kind}']:.4f}", f"{summary[f'kl/{kind}']:.4f}",
                           f"{summary[f'ce_unrecovered/{kind}']:.3f}")
         console.print(masks)

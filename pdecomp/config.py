@@ -53,8 +53,9 @@ class ModelConfig:
     """The frozen target. Toy targets are trained in-process and cached by their settings.
 
     A Llama (`kind: llama`) is read from the Hugging Face directory `path`, whose
-    config.json then defines the architecture; without a path the fields below give its
-    shapes (enough for the gate) and its weights are random (for tests and CPU trials).
+    config.json then defines the architecture. Without a path the fields below give its
+    shapes (enough for the gate), and it is trained on the synthetic language for
+    `train_steps` steps and cached like a toy, or keeps random weights when that is 0.
     """
 
     name: str = "tms_5-2"
@@ -129,6 +130,16 @@ class PGDConfig:
 
 
 @dataclass(frozen=True)
+class EvalPGDConfig:
+    """Fresh (non-persistent) PGD in the final evaluation (LMs): sources drawn anew for
+    every batch, one per position and component, then `n_steps` sign ascents of
+    `step_size` on the KL, each followed by a clamp to [0, 1]. 0 steps: off."""
+
+    n_steps: int = 20
+    step_size: float = 0.1
+
+
+@dataclass(frozen=True)
 class LossConfig:
     faithfulness_coeff: float = 0.0
     imp_min_coeff: float = 3e-3
@@ -147,6 +158,7 @@ class LossConfig:
         }
     )
     pgd: PGDConfig = field(default_factory=PGDConfig)
+    eval_pgd: EvalPGDConfig = field(default_factory=EvalPGDConfig)
 
 
 @dataclass(frozen=True)
@@ -185,6 +197,9 @@ class DataConfig:
     token_dtype: str = "uint16"  # tokens: one of TOKEN_DTYPES
     column: str = "input_ids"  # hf_dataset: the column of token ids
     seq_len: int = 512
+    # tokens / hf_dataset: the stream's last eval_frac of tokens is held out; training never
+    # reads it and the final evaluation reads only it (0: evaluate on the training stream)
+    eval_frac: float = 0.01
 
 
 @dataclass(frozen=True)
@@ -307,7 +322,9 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
     m = cfg.model
     _choice("model.kind", m.kind, TARGETS)
     for key in ("n_features", "d_hidden", "d_embed", "n_layers", "train_steps", "train_batch_size"):
-        _positive(f"model.{key}", getattr(m, key))
+        # a pathless Llama with no training steps keeps its random weights
+        _positive(f"model.{key}", getattr(m, key),
+                  zero_ok=key == "train_steps" and m.kind == "llama")
     _positive("model.n_hidden_layers", m.n_hidden_layers, zero_ok=True)
     if not 0.0 < m.feature_prob <= 1.0:
         raise ConfigError("model.feature_prob", m.feature_prob, "must be in (0, 1]")
@@ -376,6 +393,8 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
     _positive("loss.pgd.lr", pgd.lr)
     _fraction("loss.pgd.warmup_frac", pgd.warmup_frac)
     _positive("loss.pgd.n_warmup", pgd.n_warmup, zero_ok=True)
+    _positive("loss.eval_pgd.n_steps", lo.eval_pgd.n_steps, zero_ok=True)
+    _positive("loss.eval_pgd.step_size", lo.eval_pgd.step_size)
     if lo.distance == "kl" and m.kind != "llama":
         raise ConfigError("loss.distance", lo.distance, f"kl needs a language model; model "
                           f"{m.name} outputs vectors: use mse")
@@ -407,6 +426,8 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
         raise ConfigError("data.source", d.source, f"model {m.name} ({m.kind}) reads: {allowed}")
     _choice("data.token_dtype", d.token_dtype, TOKEN_DTYPES)
     _positive("data.seq_len", d.seq_len)
+    if not 0.0 <= d.eval_frac < 1.0:
+        raise ConfigError("data.eval_frac", d.eval_frac, "must be in [0, 1)")
     if d.source in ("tokens", "hf_dataset") and not d.path and not cfg.gate.only:
         raise ConfigError("data.path", d.path, f"data.source={d.source} needs a path")
     _choice("gate.target", cfg.gate.target, GATE_TARGETS)

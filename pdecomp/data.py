@@ -4,8 +4,13 @@ Every source is one flat stream of token ids; a batch is `batch_size` windows of
 consecutive tokens. Three sources (`TokenSpec.source`, config key `data.source`):
 
 ``synthetic``
-    No file. Ids drawn i.i.d. from a fixed Zipf-like distribution over the vocab
-    (p(id) ∝ 1 / (id + 1)), so the model sees non-uniform statistics without any data.
+    No file. A small language with something to learn: a fixed bank of ``vocab_size // 4``
+    phrases of ``PHRASE_LEN`` ids (drawn uniformly from the vocab, from a seed of their
+    own, so every run with the same vocab speaks the same language), and each row is phrases
+    picked with Zipf weights (p(phrase k) ∝ 1 / (k + 1)) and put back to back, entered at a
+    random offset. Each id sits in several phrases, so predicting the next one takes the
+    context of the previous few (attention and MLP memory), while a phrase's first id is
+    chance; `synthetic_entropy` is the rate a perfect model reaches.
 
 ``tokens`` — a flat binary token file
     The nanoGPT / llm.c convention without a header: the whole file is an array of token
@@ -24,6 +29,10 @@ consecutive tokens. Three sources (`TokenSpec.source`, config key `data.source`)
     directory (``dataset_dict.json`` with ``{"splits": [...]}`` and one sub-directory per
     split) is read from its ``train`` split. Only pyarrow is needed to read it.
 
+Held out: `TokenStream.split` (config key `data.eval_frac`, default 0.01) keeps the last
+fraction of a file stream's tokens for the final evaluation; training windows never
+reach into it (a window may not straddle the cut).
+
 Batches: for step `s` the window starts are `batch_size` draws, uniform on
 [0, n_tokens - seq_len], from ``np.random.default_rng([seed, s])``. A batch is therefore a
 pure function of (seed, step, batch_size): a resumed run sees the batches it would have
@@ -34,8 +43,10 @@ starts, which is cheap, but reads only rows a..b). Synthetic rows are seeded per
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,6 +87,23 @@ class TokenStream:
         """Tokens in the stream; 0 for synthetic (unbounded)."""
         return 0 if self.tokens is None else len(self.tokens)
 
+    def split(self, eval_frac: float, eval_seed: int) -> tuple[TokenStream, TokenStream]:
+        """(train, held out): the last `eval_frac` of a file's tokens are held out, and the
+        held-out stream draws its windows from `eval_seed`. Synthetic rows are never reused
+        across seeds, so both halves are the whole language. Views: nothing is copied."""
+        held_spec = dataclasses.replace(self.spec, seed=eval_seed)
+        if self.tokens is None or eval_frac == 0:
+            return self, TokenStream(held_spec, self.tokens)
+        n, L = self.n_tokens, self.spec.seq_len
+        cut = n - math.ceil(n * eval_frac)
+        if min(cut, n - cut) < L + 1:
+            raise ConfigError("data.eval_frac", eval_frac,
+                              f"{self.spec.path} holds {n} tokens; both its training part "
+                              f"({cut}) and held-out part ({n - cut}) need seq_len + 1 = "
+                              f"{L + 1} (0 evaluates on the training stream)")
+        return TokenStream(self.spec, self.tokens[:cut]), TokenStream(held_spec,
+                                                                       self.tokens[cut:])
+
     def rows(self, step: int, batch_size: int, index: slice = slice(None)) -> np.ndarray:
         """int32 [rows in `index`, seq_len]: rows `index` of the global batch of `step`."""
         if step < 0 or batch_size <= 0:
@@ -83,11 +111,15 @@ class TokenStream:
         picked = range(batch_size)[index]
         L, seed = self.spec.seq_len, self.spec.seed
         if self.tokens is None:
-            cdf = _zipf_cdf(self.spec.vocab_size)
+            phrases, cdf = _phrase_bank(self.spec.vocab_size)
+            n_phrases, n = len(phrases), -(-L // PHRASE_LEN) + 1
             out = np.empty((len(picked), L), dtype=np.int32)
             for i, r in enumerate(picked):
-                u = np.random.default_rng([seed, step, r]).random(L)
-                out[i] = np.minimum(np.searchsorted(cdf, u, side="right"), len(cdf) - 1)
+                rng = np.random.default_rng([seed, step, r])
+                which = np.minimum(np.searchsorted(cdf, rng.random(n), side="right"),
+                                   n_phrases - 1)
+                start = rng.integers(PHRASE_LEN)
+                out[i] = phrases[which].reshape(-1)[start:start + L]
             return out
         starts = window_starts(seed, step, batch_size, self.n_tokens, L)[picked]
         # Fancy indexing a memmap reads only the pages of the chosen windows.
@@ -219,9 +251,23 @@ def _check_ids(spec: TokenSpec, ids: np.ndarray, offset: int = 0) -> None:
                           f"{spec.vocab_size} (the first such id is token {at}){hint}")
 
 
-@functools.lru_cache(maxsize=8)
-def _zipf_cdf(vocab_size: int) -> np.ndarray:
-    p = 1.0 / np.arange(1, vocab_size + 1, dtype=np.float64)
-    cdf = np.cumsum(p)
-    return cdf / cdf[-1]
+PHRASE_LEN = 8  # ids per phrase of the synthetic language
+_PHRASE_SEED = 20_250_101  # the language's own seed: the same phrases for every run seed
 
+
+@functools.lru_cache(maxsize=8)
+def _phrase_bank(vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The synthetic language: phrases [vocab_size // 4 (at least 2), PHRASE_LEN] and the
+    CDF of their Zipf weights."""
+    n = max(vocab_size // 4, 2)
+    phrases = np.random.default_rng(_PHRASE_SEED).integers(0, vocab_size, (n, PHRASE_LEN))
+    cdf = np.cumsum(1.0 / np.arange(1, n + 1, dtype=np.float64))
+    return phrases.astype(np.int32), cdf / cdf[-1]
+
+
+def synthetic_entropy(vocab_size: int) -> float:
+    """Nats per token a model that knows every phrase reaches on long rows: the Zipf choice
+    of the next phrase, once per PHRASE_LEN ids."""
+    cdf = _phrase_bank(vocab_size)[1]
+    p = np.diff(cdf, prepend=0.0)
+    return float(-(p * np.log(p)).sum() / PHRASE_LEN)

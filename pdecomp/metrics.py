@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +13,8 @@ from jaxtyping import Array
 from pdecomp import losses
 from pdecomp.ci import ci_lower
 from pdecomp.components import Components, SiteMask, masked_linear, recording_linear
-from pdecomp.masks import sample_forward_masks
+from pdecomp.config import EvalPGDConfig
+from pdecomp.masks import masks_from_sources, sample_forward_masks
 from pdecomp.targets import TMS, ResidMLP
 
 
@@ -46,13 +47,36 @@ def eval_masks(kind: str, lower: dict[str, Array], key: Array, threshold: float,
     return {s: SiteMask(make(s, v), off(v), None) for s, v in lower.items()}
 
 
+def fresh_pgd_masks(distance: Callable[[dict[str, SiteMask]], Array],
+                    lower: dict[str, Array], key: Array, delta: bool, pgd: EvalPGDConfig
+                    ) -> dict[str, SiteMask]:
+    """Every site live and routed, masked by sources drawn uniformly and then pushed by
+    `pgd.n_steps` sign ascents of `distance` (clamped to [0, 1] after each): the masks of
+    an adversary that starts from nothing, unlike training's persistent one."""
+    keys = dict(zip(lower, jax.random.split(key, len(lower))))
+    sources = {s: jax.random.uniform(keys[s], (*v.shape[:-1], v.shape[-1] + 1))
+               for s, v in lower.items()}
+    routed = {s: None for s in lower}
+
+    def ascent(_, sources):
+        grads = jax.grad(lambda src: distance(masks_from_sources(lower, src, routed, delta)))(
+            sources)
+        return jax.tree.map(lambda s, g: jnp.clip(s + pgd.step_size * jnp.sign(g), 0.0, 1.0),
+                            sources, grads)
+
+    sources = jax.lax.fori_loop(0, pgd.n_steps, ascent, sources)
+    return masks_from_sources(lower, sources, routed, delta)
+
+
 def lm_mask_metrics(target, components: Components, ci_fn, batches: Sequence[Array],
-                    key: Array, threshold: float, delta: bool, dtype) -> dict[str, float]:
+                    key: Array, threshold: float, delta: bool, dtype,
+                    pgd: EvalPGDConfig = EvalPGDConfig()) -> dict[str, float]:
     """CE of the target, and CE and KL (to the target) of the forward with every site
-    masked by each of MASK_KINDS, mean over the batches; ce_unrecovered per kind =
-    (CE_masked − CE_target) / (CE_zero − CE_target): 0 is the target, 1 is no better than
-    ablating every site."""
+    masked by each of MASK_KINDS, and by a fresh adversary (`pgd`, kind "pgd", when it has
+    steps), mean over the batches; ce_unrecovered per kind = (CE_masked − CE_target) /
+    (CE_zero − CE_target): 0 is the target, 1 is no better than ablating every site."""
     sites = tuple(components.sites)
+    kinds = MASK_KINDS + (("pgd",) if pgd.n_steps else ())
 
     @jax.jit  # the model and its components are arguments, not constants of the program
     def one(target, components, ci_fn, tokens, key):
@@ -69,6 +93,12 @@ def lm_mask_metrics(target, components: Components, ci_fn, batches: Sequence[Arr
                                                                         threshold, delta)))
             out[f"ce/{kind}"] = losses.cross_entropy(masked, tokens)
             out[f"kl/{kind}"] = losses.kl(masked, clean_lp)
+        if pgd.n_steps:
+            masked = suffix(resid, masked_linear(components, fresh_pgd_masks(
+                lambda m: losses.kl(suffix(resid, masked_linear(components, m)), clean_lp),
+                lower, jax.random.fold_in(key, len(MASK_KINDS)), delta, pgd)))
+            out["ce/pgd"] = losses.cross_entropy(masked, tokens)
+            out["kl/pgd"] = losses.kl(masked, clean_lp)
         return out
 
     totals: dict[str, float] = {}
@@ -76,7 +106,7 @@ def lm_mask_metrics(target, components: Components, ci_fn, batches: Sequence[Arr
         for k, v in one(target, components, ci_fn, tokens, jax.random.fold_in(key, i)).items():
             totals[k] = totals.get(k, 0.0) + float(v) / len(batches)
     ce_t, ce_z = totals["ce/target"], totals["ce/zero"]
-    for kind in MASK_KINDS:
+    for kind in kinds:
         totals[f"ce_unrecovered/{kind}"] = (totals[f"ce/{kind}"] - ce_t) / max(ce_z - ce_t,
                                                                               1e-12)
     return totals

@@ -145,11 +145,15 @@ def _open_tokens(spec: data.TokenSpec) -> data.TokenStream:
     return data.open_tokens(spec)
 
 
-def token_stream(cfg: RunConfig, seed_offset: int = 0) -> data.TokenStream:
+EVAL_SEED_OFFSET = 10_000  # eval batches come from their own seed, not training's
+
+
+def token_stream(cfg: RunConfig, held_out: bool = False) -> data.TokenStream:
+    """The training stream, or the held-out one the final evaluation reads."""
     d = cfg.data
     spec = data.TokenSpec(d.source, d.path, d.token_dtype, d.column, d.seq_len,
-                          llama.arch(cfg.model).vocab_size, cfg.seed + seed_offset)
-    return _open_tokens(spec)
+                          llama.arch(cfg.model).vocab_size, cfg.seed)
+    return _open_tokens(spec).split(d.eval_frac, cfg.seed + EVAL_SEED_OFFSET)[held_out]
 
 
 def batch_abstract(cfg: RunConfig, batch_size: int, batch_sharding: NamedSharding
@@ -163,15 +167,16 @@ def batch_abstract(cfg: RunConfig, batch_size: int, batch_sharding: NamedShardin
 
 
 def batch_sampler(cfg: RunConfig, batch_sharding: NamedSharding, key: Array,
-                  seed_offset: int = 0) -> Callable[[int], Array]:
+                  held_out: bool = False) -> Callable[[int], Array]:
     """step -> that step's global batch, already split on the data axis. Deterministic in
-    (seed, step), so a resumed run sees the same batches as an uninterrupted one."""
+    (seed, step), so a resumed run sees the same batches as an uninterrupted one. Toys draw
+    from `key`; a Llama reads the training or the held-out token stream."""
     B = cfg.data.batch_size
     if cfg.model.kind != "llama":
         sample = jax.jit(lambda k: targets.sample_inputs(k, cfg.model, B),
                          out_shardings=batch_sharding)
         return lambda i: sample(jax.random.fold_in(key, i))
-    stream = token_stream(cfg, seed_offset)
+    stream = token_stream(cfg, held_out)
     shape = (B, cfg.data.seq_len)
     # Each host reads only the rows its own devices hold.
     return lambda i: jax.make_array_from_callback(
@@ -181,9 +186,9 @@ def batch_sampler(cfg: RunConfig, batch_sharding: NamedSharding, key: Array,
 TARGET_WAIT_S = 3600  # how long other ranks wait for rank 0 to train and cache a toy target
 
 
-def load_toy_target(model, log: Callable[[str], None]) -> tuple[Any, dict[str, Any]]:
-    """A toy target from its cache. In a multi-process job rank 0 trains and caches a
-    missing one while the others wait for the cache entry, and then every process reads
+def load_trained_target(model, log: Callable[[str], None]) -> tuple[Any, dict[str, Any]]:
+    """A trained target (a toy, a pathless Llama) from its cache. In a multi-process job
+    rank 0 trains and caches a missing one while the others wait for the cache entry, and then every process reads
     that entry, so all hold the same weights (whoever won a race to write it). The wait is
     on the file, not a collective: training can outlast any collective timeout, and a rank
     0 that fails ends the job (srun --kill-on-bad-exit)."""
@@ -194,7 +199,7 @@ def load_toy_target(model, log: Callable[[str], None]) -> tuple[Any, dict[str, A
     deadline = time.monotonic() + TARGET_WAIT_S
     while not targets.is_cached(model):
         if time.monotonic() > deadline:
-            raise RuntimeError(f"rank {jax.process_index()}: no toy target at "
+            raise RuntimeError(f"rank {jax.process_index()}: no trained target at "
                                f"{targets.cache_path(model)} after {TARGET_WAIT_S}s; the "
                                "cache ($PDECOMP_CACHE) must be on a file system every node "
                                "of the job shares")
@@ -213,14 +218,16 @@ def any_process(flag: bool) -> bool:
 
 def load_target(cfg: RunConfig, target_abs: Any, log: Callable[[str], None]
                 ) -> tuple[Any, dict[str, Any]]:
-    """The frozen target, in its shardings. Toys: cached by their settings, trained and
-    checked the first time. Llama: read from its HF directory into place, or (no path)
-    random weights made in place."""
+    """The frozen target, in its shardings. Toys and a pathless Llama with train_steps:
+    cached by their settings, trained and checked the first time. Llama: read from its HF
+    directory into place, or (no path, no training) random weights made in place."""
     m, shardings = cfg.model, sharding.shardings(target_abs)
-    if m.kind != "llama":
-        target, meta = load_toy_target(m, log)
-        return sharding.put_from_host(target, shardings), meta
     dtype = jnp.dtype(cfg.memory.target_dtype)
+    if m.kind != "llama" or not m.path and m.train_steps:
+        target, meta = load_trained_target(m, log)
+        if m.kind == "llama":
+            target = jax.tree.map(lambda w: w.astype(dtype), target)
+        return sharding.put_from_host(target, shardings), meta
     if m.path:
         log(f"loading {m.path} ({cfg.memory.target_dtype})")
         return llama.load_hf(m.path, dtype, shardings), {"path": m.path}
@@ -377,9 +384,6 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
     return summary
 
 
-EVAL_SEED_OFFSET = 10_000  # eval batches come from their own seed, not training's
-
-
 def evaluate(cfg: RunConfig, target, state: TrainState, run_dir: Path,
              batch_sharding: NamedSharding) -> dict[str, Any]:
     """Final metrics on fresh batches, the ground-truth match (toys) or CE/KL per mask type
@@ -387,7 +391,7 @@ def evaluate(cfg: RunConfig, target, state: TrainState, run_dir: Path,
     thr = cfg.loss.ci_threshold
     components = with_tied(state.components, tied_sites(cfg))
     eval_key = jax.random.PRNGKey(cfg.seed + EVAL_SEED_OFFSET)
-    sample = batch_sampler(cfg, batch_sharding, eval_key, EVAL_SEED_OFFSET)
+    sample = batch_sampler(cfg, batch_sharding, eval_key, held_out=True)
     batches = [sample(i) for i in range(cfg.data.eval_batches)]
     replicated = NamedSharding(batch_sharding.mesh, P())
     if cfg.model.kind != "llama":
@@ -402,7 +406,7 @@ def evaluate(cfg: RunConfig, target, state: TrainState, run_dir: Path,
     if cfg.model.kind == "llama":
         summary.update(metrics.lm_mask_metrics(
             target, components, state.ci_fn, batches, eval_key, thr, cfg.layers.delta,
-            jnp.dtype(cfg.memory.compute_dtype)))
+            jnp.dtype(cfg.memory.compute_dtype), cfg.loss.eval_pgd))
     elif isinstance(target, targets.TMS):
         summary.update(metrics.tms_ground_truth(
             target, components, {s: v["max_ci"] > thr for s, v in ci.items()}))

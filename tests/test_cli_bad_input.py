@@ -56,6 +56,10 @@ CASES = [
      "loss.pgd.scope"),
     ("ci-heads-not-dividing", ["+experiment=llama_tiny_chunkwise", "layers.ci_heads=3"],
      "layers.ci_heads"),
+    ("eval-frac-not-a-fraction", ["+experiment=llama_tiny_chunkwise", "data.eval_frac=1.5"],
+     "data.eval_frac"),
+    ("eval-pgd-negative-steps", ["+experiment=llama_tiny_chunkwise",
+                                 "loss.eval_pgd.n_steps=-1"], "loss.eval_pgd.n_steps"),
 ]
 
 

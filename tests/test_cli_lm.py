@@ -14,15 +14,13 @@ QUIET = ["logging.wandb=false", "logging.progress=false"]
 
 @pytest.mark.slow
 def test_llama_tiny_chunkwise_pgd_kl_and_l0_fall(tmp_path: Path, env: dict[str, str]) -> None:
-    """Chunkwise recon with uniform-k routing + persistent PGD on a CPU Llama: L0 falls
-    while the recon KL stays near where it started and far below ablating the sites.
-
-    (On llama_tiny's random weights the recon KL does not fall: every component starts
-    half on, which is already a good reconstruction, and sparsifying trades a little of it
-    away; see bench/RESULTS.md.)"""
+    """Chunkwise recon with uniform-k routing + persistent PGD on a CPU Llama trained
+    first on the synthetic language: the recon KL and L0 both fall, and the evaluation
+    reports every mask kind, the fresh adversary among them, on held-out rows."""
     run_dir = tmp_path / "run"
     proc = ok(pdecomp(["+experiment=llama_tiny_chunkwise", "optim.steps=200", *QUIET,
                     f"hydra.run.dir={run_dir}"], tmp_path, env, timeout=900))
+    assert "training target llama_tiny" in proc.stderr
     history = load_json(run_dir / "history.json")
     first, last = history[0], history[-1]
     assert first["step"] == 1 and last["step"] == 200
@@ -30,18 +28,21 @@ def test_llama_tiny_chunkwise_pgd_kl_and_l0_fall(tmp_path: Path, env: dict[str, 
     def l0(h):
         return sum(v for k, v in h.items() if k.startswith("train/l0/"))
 
-    assert l0(last) < 0.6 * l0(first), (l0(first), l0(last))
-    assert last["loss/recon_chunkwise"] < 1.5 * first["loss/recon_chunkwise"], (first, last)
+    # Measured: L0 576 -> 329 and recon KL 0.020 -> 0.004 over these 200 steps.
+    assert l0(last) < 0.75 * l0(first), (l0(first), l0(last))
+    assert last["loss/recon_chunkwise"] < 0.5 * first["loss/recon_chunkwise"], (first, last)
     assert last["loss/faithfulness"] < 1e-5
     assert last["loss/pgd"] > 0 and "perf/tokens_per_s" in last
     # the llama loss group replaces the schema's toy recon terms, it does not add to them
     assert {k for k in last if k.startswith("loss/recon_")} == {"loss/recon_chunkwise"}
     s = load_json(run_dir / "summary.json")
-    for kind in ("ci", "unmasked", "stochastic", "random", "rounded", "zero"):
+    for kind in ("ci", "unmasked", "stochastic", "random", "rounded", "zero", "pgd"):
         assert {f"ce/{kind}", f"kl/{kind}", f"ce_unrecovered/{kind}"} <= set(s)
     assert s["ce_unrecovered/zero"] == pytest.approx(1.0)
+    assert s["ce/target"] < 1.0  # the trained target, not random weights (log 512 = 6.2)
     assert s["kl/unmasked"] < s["kl/zero"]  # the components alone beat ablating the sites
-    assert s["kl/stochastic"] < 0.6 * s["kl/zero"]
+    assert s["kl/ci"] < 0.1 * s["kl/zero"] and s["kl/stochastic"] < 0.1 * s["kl/zero"]
+    assert s["kl/pgd"] > s["kl/stochastic"]  # the adversary finds worse masks than chance
     assert s["steps"] == 200 and (run_dir / "mean_ci.png").exists()
     assert "CE unrecovered" in proc.stderr
     gate = load_json(run_dir / "gate.json")
@@ -55,7 +56,8 @@ def test_run_from_a_hugging_face_directory(tmp_path: Path, env: dict[str, str]) 
     sites = "[layers.1.mlp.gate_proj,layers.1.mlp.up_proj,layers.1.mlp.down_proj]"
     ok(pdecomp(["+experiment=llama_tiny_chunkwise", f"model.path={FIXTURES / 'gqa_llama3'}",
              f"layers.sites={sites}", "optim.steps=20", "optim.faith_warmup_steps=10",
-             "data.seq_len=16", "logging.log_every=10", "memory.remat=full", *QUIET,
+             "data.seq_len=16", "logging.log_every=10", "memory.remat=full",
+             "loss.eval_pgd.n_steps=0", *QUIET,
              f"hydra.run.dir={run_dir}"], tmp_path, env, timeout=900))
     s = load_json(run_dir / "summary.json")
     assert s["target/seed"] is None and s["steps"] == 20

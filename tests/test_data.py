@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pdecomp import data
 from pdecomp.config import ConfigError
 from pdecomp.data import TokenSpec, TokenStream, open_tokens, window_starts
 
@@ -94,7 +95,7 @@ def test_hf_dataset_is_the_concatenated_documents(tmp_path, as_dict, shards):
     check_batches(stream, flat)
 
 
-def test_synthetic_is_deterministic_zipf_like():
+def test_synthetic_is_deterministic_and_learnable():
     s = open_tokens(spec("synthetic", vocab_size=1_000))
     assert s.n_tokens == 0
     b = s.rows(4, BATCH)
@@ -105,8 +106,43 @@ def test_synthetic_is_deterministic_zipf_like():
     np.testing.assert_array_equal(s.rows(4, BATCH, slice(5, 9)), b[5:9])
     other_seed = open_tokens(spec("synthetic", vocab_size=1_000, seed=4))
     assert not np.array_equal(other_seed.rows(4, BATCH), b)
-    ids = s.rows(0, 256).ravel()
-    assert (ids < 10).mean() > 0.3  # p(id < 10) is about 0.39 for 1/(id+1) over 1000 ids
+
+    # A language, not noise: the previous two ids fix the next one except at a phrase
+    # boundary (1 in PHRASE_LEN), while the previous id alone often does not.
+    rows = s.rows(0, 512)
+    def predictable(context: int) -> float:
+        seen: dict[tuple, dict[int, int]] = {}
+        for r in rows:
+            for t in range(context, len(r)):
+                nxt = seen.setdefault(tuple(r[t - context:t]), {})
+                nxt[r[t]] = nxt.get(r[t], 0) + 1
+        return sum(max(v.values()) for v in seen.values()) / sum(
+            sum(v.values()) for v in seen.values())
+    boundary = 1 / data.PHRASE_LEN
+    assert predictable(2) > 1 - boundary - 0.05
+    assert predictable(1) < predictable(2) - 0.05
+    # The rate a perfect model reaches is well below an unpredictable stream's log(V).
+    assert 0 < data.synthetic_entropy(1_000) < 0.2 * np.log(1_000)
+
+
+def test_held_out_tail_is_never_trained_on(tmp_path):
+    path = tmp_path / "t.bin"
+    flat = np.arange(1000, dtype="<u2")  # id = position: a row shows where it was read
+    flat.tofile(path)
+    train, held = open_tokens(spec("tokens", path)).split(0.1, eval_seed=99)
+    assert train.n_tokens == 900 and held.n_tokens == 100 and held.spec.seed == 99
+    seen_train = np.concatenate([train.rows(i, 64) for i in range(50)])
+    seen_held = np.concatenate([held.rows(i, 64) for i in range(50)])
+    assert seen_train.max() < 900 and seen_held.min() >= 900
+    assert seen_train.max() > 850 and seen_held.max() > 980  # both parts are read to the end
+    np.testing.assert_array_equal(train.rows(3, 8), train.rows(3, 8))
+    whole, same = open_tokens(spec("tokens", path)).split(0.0, eval_seed=99)
+    assert whole.n_tokens == same.n_tokens == 1000
+    synthetic, synthetic_held = open_tokens(spec("synthetic", vocab_size=64)).split(0.5, 99)
+    assert not np.array_equal(synthetic.rows(0, 4), synthetic_held.rows(0, 4))
+    with pytest.raises(ConfigError, match="data.eval_frac") as e:
+        open_tokens(spec("tokens", path)).split(0.01, eval_seed=99)  # 10 tokens < SEQ + 1
+    assert "held-out part (10)" in str(e.value)
 
 
 def test_batch_with_out_of_range_id_raises(tmp_path):

@@ -21,6 +21,7 @@ from pdecomp.ci import ci_lower
 from pdecomp.components import masked_linear, recording_linear
 from pdecomp.config import (
     DataConfig,
+    EvalPGDConfig,
     LayersConfig,
     LossConfig,
     ModelConfig,
@@ -31,6 +32,7 @@ from pdecomp.config import (
     validate,
 )
 from pdecomp.masks import masks_from_sources, sample_forward_masks
+from pdecomp.metrics import fresh_pgd_masks, lm_mask_metrics
 from pdecomp.train import ascend, init_state, make_train_step, pgd_source_shape
 
 SITES = [f"layers.{i}.mlp.{w}" for i in (1, 2) for w in ("gate_proj", "up_proj", "down_proj")]
@@ -196,6 +198,30 @@ def test_ascent_increases_the_distance_and_clamps(setup, optimizer):
     big = ascend(adv, jax.grad(d)(adv.sources), 100.0, optimizer)  # clamp holds any step
     for v in big.sources.values():
         assert float(v.min()) >= 0.0 and float(v.max()) <= 1.0
+
+
+def test_fresh_eval_pgd_starts_anew_ascends_and_reports_ce_and_kl(setup):
+    cfg, target, state = setup
+    c = clean_forward(cfg, target, state)
+    comps = state.components
+
+    def kl_of(masks):
+        return losses.kl(c.suffix(c.resid, masked_linear(comps, masks)), c.clean_lp)
+
+    key = jax.random.PRNGKey(7)
+    start = fresh_pgd_masks(kl_of, c.lower, key, True, EvalPGDConfig(n_steps=0))
+    pushed = fresh_pgd_masks(kl_of, c.lower, key, True, EvalPGDConfig(5, 0.1))
+    assert float(kl_of(pushed)) > float(kl_of(start)) > 0
+    for s, m in pushed.items():  # sources clamped to [0, 1]: masks between CI and 1
+        assert float((m.mask - c.lower[s]).min()) >= -1e-6 and float(m.mask.max()) <= 1 + 1e-6
+        assert float(m.delta_mask.min()) >= 0 and float(m.delta_mask.max()) <= 1
+    # Nothing persists: the same key gives the same adversary, whatever ran before.
+    again = fresh_pgd_masks(kl_of, c.lower, key, True, EvalPGDConfig(5, 0.1))
+    assert float(kl_of(again)) == float(kl_of(pushed))
+
+    out = lm_mask_metrics(target, comps, state.ci_fn, [tokens(cfg)], key, 0.1, True,
+                          jnp.float32, EvalPGDConfig(5, 0.1))
+    assert out["kl/pgd"] > out["kl/stochastic"] and out["ce_unrecovered/pgd"] > 0
 
 
 def test_pgd_warmup_ascents_and_the_after_backward_ascent_are_counted(setup):

@@ -58,7 +58,7 @@ def test_target_is_cached_by_its_settings(tmp_path):
     t2, meta2 = targets.load_or_train_target(cfg, log=logs.append)
     assert logs == []  # loaded, not trained
     np.testing.assert_array_equal(np.asarray(t1.W), np.asarray(t2.W))
-    assert meta1["features"]["ok"] and meta1 == meta2
+    assert meta1["check"]["ok"] and meta1 == meta2
     other = dc.replace(cfg, seed=5)
     assert targets.cache_key(other) != targets.cache_key(cfg)
 
@@ -75,7 +75,8 @@ def test_target_missing_features_on_every_seed_fails_clearly(tmp_path, monkeypat
     cfg = dc.replace(SMALL, cache_dir=str(tmp_path), max_retrain=1)
     monkeypatch.setattr(targets, "feature_report",
                         lambda t, c: {"missing": [0], "ok": False, "min_score": 0.0,
-                                      "median_score": 0.0, "threshold": 0.5})
+                                      "median_score": 0.0, "threshold": 0.5,
+                                      "problem": "misses features [0]"})
     with pytest.raises(targets.TargetError, match="represents all 5 features"):
         targets.load_or_train_target(cfg, log=lambda s: None)
     assert not list(tmp_path.rglob("target.eqx"))  # nothing half-made left in the cache
