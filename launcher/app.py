@@ -149,8 +149,15 @@ def main() -> None:
             # Hydra uses its launcher in multirun mode only: a run submitted to a cluster is
             # a sweep of one job.
             sys.argv.insert(1, "--multirun")
-    _hydra_main()
-    sys.exit(slurm_launcher.outcome["exit_code"])
+    try:
+        _hydra_main()
+        code = slurm_launcher.outcome["exit_code"]
+    except SystemExit as e:  # a refused gate (exit 3) and the like
+        code = e.code
+    gate = sys.modules.get("pdecomp.gate")
+    if gate is not None and gate.compile_in_flight():  # a gate-only run left codegen running
+        gate.end_process(0 if code is None else code if isinstance(code, int) else 1)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -127,7 +127,7 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
                 "job": r["job"],
                 **{k: values[k] for k in swept if k in values},
                 **{f"{k}_gib": round(gate[f"{k}_bytes"] / GiB, 4)
-                   for k in GATE_SIZES if f"{k}_bytes" in gate},
+                   for k in GATE_SIZES if gate.get(f"{k}_bytes") is not None},
                 **{k: gate[k] for k in GATE_FIELDS if k in gate},
                 **{k: summary[k] for k in keys if k in summary},
             })

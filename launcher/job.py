@@ -138,7 +138,8 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
 
     hooks = Hooks(log=lambda s: console.print(f"[dim]{s}[/dim]") if rank0 else None,
                   on_metrics=(wb.log if wb else None), on_gate=on_gate, progress=on_progress,
-                  should_stop=signals.stop_requested if signals else None)
+                  should_stop=signals.stop_requested if signals else None,
+                  detach_gate=not (in_slurm or multirun))
     try:
         with progress:
             summary = decompose(cfg, run_dir, hooks)

@@ -8,10 +8,15 @@ Peak per device = temp + argument + output − alias (docs/MEMORY_GATE.md).
 from __future__ import annotations
 
 import contextlib
+import glob
+import logging
 import math
 import os
 import re
+import shutil
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -52,39 +57,145 @@ def device_cap_bytes(device: jax.Device, hbm_cap_gib: float, safety_fraction: fl
 def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, ...] = (),
                        out_shardings: Any = None, cap_bytes: int, cap_source: str, target: str,
                        mesh: dict[str, int], parts: dict[str, int] | None = None,
-                       top_temps: int = 0) -> tuple[Any, dict[str, Any]]:
+                       top_temps: int = 0, detach: bool = False) -> tuple[Any, dict[str, Any]]:
     """Lower and compile `fn` on abstract `args`; return the executable and the gate report.
 
     `out_shardings` pins the state's layout to its input layout, so the executable can be fed
     its own output step after step. With `top_temps`, XLA dumps its buffer assignment while
     compiling (the executable is the same) and the largest temporaries go into the report.
+
+    With `detach` (a gate-only run whose front end ends the process with `end_process`), the
+    report is read from XLA's buffer assignment as soon as XLA writes it, and code generation
+    (LLVM, ptxas: about half the compile of a large step) is left running in the background:
+    the executable is None and there is no `xla_peak_bytes` (None). The sizes are those
+    `memory_analysis()` reports (the same allocations, summed the same way); `parts`, the
+    argument bytes per device, checks the reading (see `_compile_detached`).
     """
     t0 = time.perf_counter()
     lowered = jax.jit(fn, donate_argnums=donate_argnums,
                       out_shardings=out_shardings).lower(*abstract(args))
-    dump_dir = tempfile.TemporaryDirectory(prefix="pdecomp-gate-") if top_temps else None
-    with dump_dir or contextlib.nullcontext():
-        compiled = lowered.compile({"xla_dump_to": dump_dir.name} if dump_dir else None)
+    if detach:
+        compiled, sizes, dump = _compile_detached(
+            lowered, sum(parts.values()) if parts else None)
         compile_s = time.perf_counter() - t0
-        temps = largest_temps(Path(dump_dir.name), top_temps) if dump_dir else []
-    ma = compiled.memory_analysis()
-    arg = int(ma.argument_size_in_bytes)
-    out = int(ma.output_size_in_bytes)
-    temp = int(ma.temp_size_in_bytes)
-    alias = int(ma.alias_size_in_bytes)
+        temps = largest_temps(dump, top_temps) if top_temps else []
+    else:
+        dump_dir = tempfile.TemporaryDirectory(prefix="pdecomp-gate-") if top_temps else None
+        with dump_dir or contextlib.nullcontext():
+            compiled = lowered.compile({"xla_dump_to": dump_dir.name} if dump_dir else None)
+            compile_s = time.perf_counter() - t0
+            temps = largest_temps(Path(dump_dir.name), top_temps) if dump_dir else []
+        sizes = None
+    if sizes is None:
+        ma = compiled.memory_analysis()
+        sizes = {"argument": int(ma.argument_size_in_bytes), "output": int(ma.output_size_in_bytes),
+                 "temp": int(ma.temp_size_in_bytes), "alias": int(ma.alias_size_in_bytes),
+                 "host_temp": int(getattr(ma, "host_temp_size_in_bytes", 0) or 0),
+                 "xla_peak": int(getattr(ma, "peak_memory_in_bytes", 0) or 0)}
+    arg, out, temp, alias = (sizes[k] for k in ("argument", "output", "temp", "alias"))
     peak = temp + arg + out - alias
     report = {
         "target": target, "mesh": mesh, "n_devices": math.prod(mesh.values()),
         "argument_bytes": arg, "output_bytes": out, "temp_bytes": temp, "alias_bytes": alias,
-        "host_temp_bytes": int(getattr(ma, "host_temp_size_in_bytes", 0) or 0),
+        "host_temp_bytes": sizes["host_temp"],
         "peak_bytes": peak,
-        "xla_peak_bytes": int(getattr(ma, "peak_memory_in_bytes", 0) or 0),
+        "xla_peak_bytes": sizes["xla_peak"],
         "cap_bytes": cap_bytes, "cap_source": cap_source, "headroom_bytes": cap_bytes - peak,
         "fits": peak <= cap_bytes, "compile_s": round(compile_s, 3),
         "argument_parts_bytes": parts or {},
         "largest_temps": temps,
     }
     return compiled, report
+
+
+# A detached compile still generating code, and its dump directory: `end_process` leaves it.
+_detached: list[tuple[threading.Thread, str]] = []
+_MEMORY_REPORT = "*after_optimizations-memory-usage-report.txt"  # written after the assignment
+_STALE_DUMP_S = 3600  # a detached compile writes on after its process exits; swept later
+
+
+def _sweep_stale_dumps() -> None:
+    """Remove dump directories that detached compiles of earlier gate runs left behind."""
+    cutoff = time.time() - _STALE_DUMP_S
+    for d in glob.glob(os.path.join(tempfile.gettempdir(), "pdecomp-gate-*")):
+        with contextlib.suppress(OSError):
+            if os.path.getmtime(d) < cutoff:
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def _compile_detached(lowered, expected_argument: int | None
+                      ) -> tuple[Any, dict[str, int] | None, Path]:
+    """Compile in a daemon thread with a dump; return as soon as the buffer assignment is on
+    disk: (None, sizes, dump). A compile that ends first returns (executable, None, dump),
+    and so does one whose dump does not read as expected: no assignment file, or argument
+    bytes that differ from `expected_argument` (the state, target and batch per device, known
+    from their shapes): then this waits for the whole compile and its `memory_analysis()`.
+    A change in XLA's dump format makes the gate slower, never wrong."""
+    _sweep_stale_dumps()
+    dump = tempfile.mkdtemp(prefix="pdecomp-gate-")
+    result: dict[str, Any] = {}
+
+    def work():
+        try:
+            result["compiled"] = lowered.compile({"xla_dump_to": dump})
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            result["error"] = e
+
+    thread = threading.Thread(target=work, name="pdecomp-gate-compile", daemon=True)
+    thread.start()
+    _detached.append((thread, dump))
+    while thread.is_alive() and not glob.glob(os.path.join(dump, _MEMORY_REPORT)):
+        time.sleep(0.1)
+    if "error" in result:
+        raise result["error"]
+    assignment = sorted(Path(dump).glob("*after_optimizations-buffer-assignment.txt"))
+    sizes = assignment_sizes(assignment[-1]) if assignment else None
+    if thread.is_alive() and sizes is not None and expected_argument in (None,
+                                                                         sizes["argument"]):
+        return None, sizes, Path(dump)
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["compiled"], None, Path(dump)
+
+
+def assignment_sizes(path: Path) -> dict[str, int]:
+    """What `memory_analysis()` sums over the buffer allocations (XLA's
+    CompiledMemoryStats::PopulateBufferStatsFromAllocations), read from the dump: argument =
+    entry parameters, output = maybe-live-out, alias = parameters that are live out (donated),
+    temp = the rest but thread-local and constant ones."""
+    sizes: dict[str, int | None] = dict.fromkeys(("argument", "output", "temp", "alias",
+                                                  "host_temp"), 0)
+    sizes["xla_peak"] = None  # XLA's own peak exists only once the compile has finished
+    for line in path.read_text().splitlines():
+        if not (m := _ALLOCATION.match(line)):
+            continue
+        size, kind = int(m.group(1)), m.group(2)
+        param = re.match(r"parameter \d+", kind) is not None
+        live_out = "maybe-live-out" in kind
+        if param:
+            sizes["argument"] += size
+            sizes["alias"] += size if live_out else 0
+        if live_out:
+            sizes["output"] += size
+        if not (param or live_out or "thread-local" in kind or kind.startswith("constant")):
+            sizes["temp"] += size
+    return sizes
+
+
+def compile_in_flight() -> bool:
+    return any(t.is_alive() for t, _ in _detached)
+
+
+def end_process(code: int) -> None:
+    """Exit now, leaving a detached compile behind: a normal interpreter exit would tear XLA
+    down under the compiling thread (SIGSEGV)."""
+    for _, dump in _detached:
+        shutil.rmtree(dump, ignore_errors=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 # -- XLA's buffer assignment: which operations the temporaries belong to --------------------
@@ -188,8 +299,9 @@ def format_report(report: dict[str, Any]) -> list[tuple[str, str]]:
     if "batch_size" in report:
         rows.append(("batch", str(report["batch_size"])))
     for k in ("argument", "output", "temp", "alias", "host_temp", "peak", "xla_peak"):
+        v = report[f"{k}_bytes"]
         rows.append((k + (" (temp+arg+out-alias)" if k == "peak" else ""),
-                     fmt_bytes(report[f"{k}_bytes"])))
+                     "n/a (read at buffer assignment)" if v is None else fmt_bytes(v)))
     for k, v in report.get("argument_parts_bytes", {}).items():
         rows.append((f"  argument: {k}", fmt_bytes(v)))
     rows += [("cap", f"{fmt_bytes(report['cap_bytes'])} ({report['cap_source']})"),

@@ -60,6 +60,10 @@ class Hooks:
     # Asked every `logging.stop_check_every` steps; True on any process stops every process
     # at that step, with a checkpoint (raises Interrupted).
     should_stop: Callable[[], bool] | None = None
+    # The front end ends the process with gate.end_process after a gate-only run, so a
+    # deviceless gate may report from XLA's buffer assignment and leave code generation
+    # running (gate.compile_and_report, detach).
+    detach_gate: bool = False
 
 
 def is_main_process() -> bool:
@@ -260,6 +264,9 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
     # The gate: compile the very step training runs, read its memory, compare to the cap.
     cap, cap_source = gate_cap(cfg, mesh)
     step_fn = make_train_step(cfg)
+    # Host-memory (offload) buffers are not told apart in XLA's dump: offload compiles whole.
+    detach = (hooks.detach_gate and cfg.gate.only and cfg.gate.fit == "none"
+              and sharding.is_deviceless(cfg) and cfg.memory.remat != "offload")
 
     def compile_at(batch_size: int):
         batch_abs = batch_abstract(cfg, batch_size, batch_sharding)
@@ -275,7 +282,8 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
             donate_argnums=(0,) if cfg.memory.donate else (),
             out_shardings=(sharding.shardings(state_abs), NamedSharding(mesh, P())),
             cap_bytes=cap, cap_source=cap_source, target=target_name(cfg, mesh),
-            mesh=dict(mesh.shape), parts=parts, top_temps=cfg.gate.top_temps)
+            mesh=dict(mesh.shape), parts=parts, top_temps=cfg.gate.top_temps,
+            detach=detach)
         report["batch_size"] = batch_size
         return compiled, report
 

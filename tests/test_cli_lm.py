@@ -80,3 +80,5 @@ def test_llama8b_chunkwise_gate_for_64_b200s(tmp_path: Path, env: dict[str, str]
     assert 0.2e9 < parts["frozen target"] < 0.3e9
     assert 100 * 2**30 < gate["peak_bytes"] < gate["cap_bytes"]
     assert "memory gate" in proc.stderr and not (run_dir / "checkpoints").exists()
+    # read at XLA's buffer assignment: the process ended without waiting for code generation
+    assert gate["xla_peak_bytes"] is None and "n/a (read at buffer assignment)" in proc.stderr

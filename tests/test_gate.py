@@ -15,9 +15,10 @@ import jax
 import numpy as np
 import pytest
 
+from pdecomp import gate
 from pdecomp.config import ConfigError, RunConfig
 from pdecomp.gate import tree_bytes
-from pdecomp.run import GateRefused, decompose
+from pdecomp.run import GateRefused, Hooks, decompose
 
 
 def _cfg(tmp_path, **memory):
@@ -145,6 +146,43 @@ def test_deviceless_gpu_targets(tmp_path, gpu, hosts, per_host, gib):
     assert report["peak_bytes"] == (report["temp_bytes"] + report["argument_bytes"]
                                     + report["output_bytes"] - report["alias_bytes"])
     assert jax.default_backend() == "cpu"  # the CUDA compile plugin did not take over
+
+
+def test_buffer_assignment_sums_like_memory_analysis(tmp_path):
+    """The detached gate's reading of XLA's dump, against XLA's own figures (donation on,
+    so alias counts too)."""
+    f = jax.jit(lambda s, x: (s + x @ x.T, jax.numpy.tanh(x).sum()), donate_argnums=0)
+    compiled = f.lower(jax.numpy.zeros((256, 256)), jax.numpy.ones((256, 64))).compile(
+        {"xla_dump_to": str(tmp_path)})
+    ma = compiled.memory_analysis()
+    sizes = gate.assignment_sizes(
+        next(tmp_path.glob("*after_optimizations-buffer-assignment.txt")))
+    assert (sizes["argument"], sizes["output"], sizes["temp"], sizes["alias"]) == (
+        ma.argument_size_in_bytes, ma.output_size_in_bytes, ma.temp_size_in_bytes,
+        ma.alias_size_in_bytes)
+    assert sizes["alias"] == 256 * 256 * 4
+
+
+def test_detached_deviceless_gate_reports_what_the_whole_compile_does(tmp_path):
+    """A gate-only deviceless run reads its figures at XLA's buffer assignment and leaves
+    code generation running; the figures equal those of the finished compile."""
+    cfg = _cfg(tmp_path)
+    cfg = dc.replace(cfg, data=dc.replace(cfg.data, batch_size=4096),
+                     mesh=dc.replace(cfg.mesh, hosts=8, gpus_per_host=8, shard_state=True),
+                     gate=dc.replace(cfg.gate, only=True, target="b200"))
+    whole = decompose(cfg, tmp_path / "whole")["gate"]
+    early = decompose(cfg, tmp_path / "early", Hooks(detach_gate=True))["gate"]
+    detached = [t for t, _ in gate._detached]
+    for t in detached:  # this process goes on; a front end would end it (gate.end_process)
+        t.join()
+    assert detached
+    for k in ("argument", "output", "temp", "alias", "peak"):
+        assert early[f"{k}_bytes"] == whole[f"{k}_bytes"], k
+    assert whole["xla_peak_bytes"] > 0
+    # None when the reading came first (almost always; a toy's codegen is short, so the
+    # whole compile may win the race, and then its figures are used)
+    assert early["xla_peak_bytes"] in (None, whole["xla_peak_bytes"])
+    assert early["fits"] == whole["fits"]
 
 
 def test_deviceless_target_without_gate_only_is_a_config_error(tmp_path):
