@@ -213,8 +213,10 @@ def print_findings(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> No
         for kind in (*MASK_KINDS, "pgd"):
             if f"ce/{kind}" not in summary:  # pgd: loss.eval_pgd.n_steps=0
                 continue
+            unrecovered = summary[f"ce_unrecovered/{kind}"]
             masks.add_row(kind, f"{summary[f'ce/{kind}']:.4f}", f"{summary[f'kl/{kind}']:.4f}",
-                          f"{summary[f'ce_unrecovered/{kind}']:.3f}")
+                          "n/a (zero-ablation CE ≤ target's)" if unrecovered is None
+                          else f"{unrecovered:.3f}")
         console.print(masks)
     for key in ("plots/tms_directions", "plots/mean_ci"):
         if key in summary:

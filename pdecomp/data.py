@@ -24,10 +24,11 @@ consecutive tokens. Three sources (`TokenSpec.source`, config key `data.source`)
     ``state.json`` lists ``_data_files`` (``[{"filename": "data-00000-of-00001.arrow"},
     ...]``), each an Arrow IPC *stream* file, in order. Column ``data.column`` (e.g.
     ``input_ids``) holds one list of integer token ids per document (``list<int*>``,
-    ``large_list`` or ``fixed_size_list``). The documents, in file then row order, are
-    concatenated back to back into one int32 stream held in memory. A ``DatasetDict``
-    directory (``dataset_dict.json`` with ``{"splits": [...]}`` and one sub-directory per
-    split) is read from its ``train`` split. Only pyarrow is needed to read it.
+    ``large_list`` or ``fixed_size_list``). The documents, in file then row order, form the
+    stream back to back; the files are memory-mapped and indexed in place
+    (`ChunkedTokens`), so a dataset larger than memory costs only the windows drawn. A
+    ``DatasetDict`` directory (``dataset_dict.json`` with ``{"splits": [...]}`` and one
+    sub-directory per split) is read from its ``train`` split. Only pyarrow is needed.
 
 Held out: `TokenStream.split` (config key `data.eval_frac`, default 0.01) keeps the last
 fraction of a file stream's tokens for the final evaluation; training windows never
@@ -75,12 +76,50 @@ class TokenSpec:
     seed: int
 
 
+class ChunkedTokens:
+    """One flat stream of ids kept as the arrays it lives in (an HF dataset's memory-mapped
+    Arrow columns, one per record batch): sliced and read in place, never concatenated."""
+
+    def __init__(self, chunks: list[np.ndarray]):
+        self.chunks = [c for c in chunks if len(c)]
+        self.starts = np.cumsum([0, *(len(c) for c in self.chunks)])  # chunk i: [s_i, s_i+1)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, index: slice) -> ChunkedTokens:
+        a, b, step = index.indices(len(self))
+        if step != 1:
+            raise ValueError("ChunkedTokens takes contiguous slices only")
+        out = []
+        for c, (lo, hi) in enumerate(zip(self.starts[:-1], self.starts[1:])):
+            if hi > a and lo < b:
+                out.append(self.chunks[c][max(a - lo, 0):min(b, hi) - lo])
+        return ChunkedTokens(out)
+
+    def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """ids [len(starts), length]: the window at each start, across chunk ends."""
+        out = np.empty((len(starts), length), dtype=np.int64)
+        for i, s in enumerate(starts):
+            c = int(np.searchsorted(self.starts, s, side="right")) - 1
+            at, filled = int(s - self.starts[c]), 0
+            while filled < length:
+                piece = self.chunks[c][at:at + length - filled]
+                out[i, filled:filled + len(piece)] = piece
+                filled, c, at = filled + len(piece), c + 1, 0
+        return out
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        whole = np.concatenate(self.chunks) if self.chunks else np.empty(0, np.int64)
+        return whole if dtype is None else whole.astype(dtype)
+
+
 @dataclass(frozen=True, eq=False)  # eq would compare arrays elementwise
 class TokenStream:
     """A flat token stream (or the synthetic distribution) and the batches drawn from it."""
 
     spec: TokenSpec
-    tokens: np.ndarray | None  # flat ids (memmap or in memory); None for synthetic
+    tokens: np.ndarray | ChunkedTokens | None  # flat ids (memmap, chunks); None: synthetic
 
     @property
     def n_tokens(self) -> int:
@@ -122,11 +161,17 @@ class TokenStream:
                 out[i] = phrases[which].reshape(-1)[start:start + L]
             return out
         starts = window_starts(seed, step, batch_size, self.n_tokens, L)[picked]
-        # Fancy indexing a memmap reads only the pages of the chosen windows.
-        windows = self.tokens[starts[:, None] + np.arange(L)]
-        if windows.size and (top := int(windows.max())) >= self.spec.vocab_size:
-            raise ValueError(f"token id {top} in the batch of step {step} is >= the model's "
-                             f"vocab size {self.spec.vocab_size} (source {self.spec.path})")
+        # Either way only the pages of the chosen windows are read.
+        if isinstance(self.tokens, ChunkedTokens):
+            windows = self.tokens.windows(starts, L)
+        else:
+            windows = self.tokens[starts[:, None] + np.arange(L)]
+        if windows.size:
+            lo, hi, V = int(windows.min()), int(windows.max()), self.spec.vocab_size
+            if lo < 0 or hi >= V:
+                raise ValueError(f"token id {hi if hi >= V else lo} in the batch of step "
+                                 f"{step} is outside the model's vocab [0, {V}) (source "
+                                 f"{self.spec.path})")
         return windows.astype(np.int32)
 
 
@@ -154,7 +199,7 @@ def open_tokens(spec: TokenSpec) -> TokenStream:
     if n < spec.seq_len + 1:
         raise ConfigError("data.seq_len", spec.seq_len,
                           f"{spec.path} holds {n} tokens; needs at least seq_len + 1")
-    _check_ids(spec, tokens[:_SAMPLE_TOKENS])
+    _check_ids(spec, np.asarray(tokens[:_SAMPLE_TOKENS]))
     return TokenStream(spec, tokens)
 
 
@@ -175,7 +220,7 @@ def _open_flat_file(spec: TokenSpec) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r")
 
 
-def _open_hf_dataset(spec: TokenSpec) -> np.ndarray:
+def _open_hf_dataset(spec: TokenSpec) -> ChunkedTokens:
     root = _dataset_dir(spec)
     try:
         state = json.loads((root / "state.json").read_text())
@@ -185,25 +230,19 @@ def _open_hf_dataset(spec: TokenSpec) -> np.ndarray:
     if missing := [str(f) for f in files if not f.is_file()]:
         raise ConfigError("data.path", spec.path, f"data files missing: {', '.join(missing)}")
 
-    # Flattened columns are zero-copy views of the memory-mapped files; only the int32
-    # result is ever in memory, with no intermediate concatenation.
-    chunks: list[pa.Array] = []
+    # Flattened columns of the memory-mapped files, as numpy views: nothing is read here
+    # but the schema and the batch headers. Ids are checked like a flat file's: the first
+    # _SAMPLE_TOKENS now, every batch as it is read.
+    chunks: list[np.ndarray] = []
     for f in files:
         reader = pa.ipc.open_stream(pa.memory_map(str(f), "r"))
         _check_column(spec, reader.schema)
         for batch in reader:
-            chunks.append(batch.column(spec.column).flatten())
-    out = np.empty(sum(len(c) for c in chunks), dtype=np.int32)
-    at = 0
-    for c in chunks:
-        if c.null_count:
-            raise ConfigError("data.column", spec.column, "holds null token ids")
-        ids = c.to_numpy(zero_copy_only=False)
-        # Checked before the cast to int32, which would wrap out-of-range ids.
-        _check_ids(spec, ids, offset=at)
-        out[at:at + len(ids)] = ids
-        at += len(ids)
-    return out
+            ids = batch.column(spec.column).flatten()
+            if ids.null_count:
+                raise ConfigError("data.column", spec.column, "holds null token ids")
+            chunks.append(ids.to_numpy(zero_copy_only=False))
+    return ChunkedTokens(chunks)
 
 
 def _dataset_dir(spec: TokenSpec) -> Path:

@@ -70,7 +70,7 @@ def fresh_pgd_masks(distance: Callable[[dict[str, SiteMask]], Array],
 
 def lm_mask_metrics(target, components: Components, ci_fn, batches: Sequence[Array],
                     key: Array, threshold: float, delta: bool, dtype,
-                    pgd: EvalPGDConfig = EvalPGDConfig()) -> dict[str, float]:
+                    pgd: EvalPGDConfig = EvalPGDConfig()) -> dict[str, float | None]:
     """CE of the target, and CE and KL (to the target) of the forward with every site
     masked by each of MASK_KINDS, and by a fresh adversary (`pgd`, kind "pgd", when it has
     steps), mean over the batches; ce_unrecovered per kind = (CE_masked − CE_target) /
@@ -101,14 +101,16 @@ def lm_mask_metrics(target, components: Components, ci_fn, batches: Sequence[Arr
             out["kl/pgd"] = losses.kl(masked, clean_lp)
         return out
 
-    totals: dict[str, float] = {}
+    totals: dict[str, float | None] = {}
     for i, tokens in enumerate(batches):
         for k, v in one(target, components, ci_fn, tokens, jax.random.fold_in(key, i)).items():
             totals[k] = totals.get(k, 0.0) + float(v) / len(batches)
-    ce_t, ce_z = totals["ce/target"], totals["ce/zero"]
+    # Undefined (None) where ablating every site does not lose CE against the target, as
+    # on text the target does not model (no scale to measure recovery on).
+    gap = totals["ce/zero"] - totals["ce/target"]
     for kind in kinds:
-        totals[f"ce_unrecovered/{kind}"] = (totals[f"ce/{kind}"] - ce_t) / max(ce_z - ce_t,
-                                                                              1e-12)
+        totals[f"ce_unrecovered/{kind}"] = ((totals[f"ce/{kind}"] - totals["ce/target"]) / gap
+                                            if gap > 1e-6 else None)
     return totals
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from pdecomp import data
 from pdecomp.config import ConfigError
-from pdecomp.data import TokenSpec, TokenStream, open_tokens, window_starts
+from pdecomp.data import ChunkedTokens, TokenSpec, TokenStream, open_tokens, window_starts
 
 SEQ, VOCAB, BATCH = 16, 70_000, 12
 
@@ -123,6 +123,37 @@ def test_synthetic_is_deterministic_and_learnable():
     assert predictable(1) < predictable(2) - 0.05
     # The rate a perfect model reaches is well below an unpredictable stream's log(V).
     assert 0 < data.synthetic_entropy(1_000) < 0.2 * np.log(1_000)
+
+
+def test_chunked_tokens_read_like_one_flat_array():
+    rng = np.random.default_rng(0)
+    chunks = [rng.integers(0, 100, size=n) for n in (5, 0, 1, 17, 3, 0, 30, 2)]
+    flat = np.concatenate(chunks)
+    tokens = ChunkedTokens(chunks)
+    assert len(tokens) == len(flat)
+    starts = np.arange(len(flat) - 9)  # every window of 9, many across chunk ends
+    np.testing.assert_array_equal(tokens.windows(starts, 9),
+                                  flat[starts[:, None] + np.arange(9)])
+    for a, b in ((0, 58), (3, 27), (6, 7), (40, 40), (-10, None)):
+        part = tokens[a:b]
+        np.testing.assert_array_equal(np.asarray(part), flat[a:b])
+        if len(part) > 4:
+            np.testing.assert_array_equal(part.windows(np.array([0, len(part) - 4]), 4),
+                                          [flat[a:b][:4], flat[a:b][-4:]])
+
+
+def test_hf_dataset_is_read_in_place(tmp_path):
+    docs = random_docs(200)
+    stream = open_tokens(spec("hf_dataset", save_docs(tmp_path, docs, shards=4)))
+    # views of the memory-mapped files: no copy of the dataset is held
+    assert len(stream.tokens.chunks) >= 4
+    assert not any(c.flags.owndata for c in stream.tokens.chunks)
+    train, held = stream.split(0.25, eval_seed=5)
+    flat = np.concatenate([np.asarray(d) for d in docs])
+    cut = len(flat) - int(np.ceil(len(flat) * 0.25))
+    np.testing.assert_array_equal(np.asarray(train.tokens), flat[:cut])
+    np.testing.assert_array_equal(np.asarray(held.tokens), flat[cut:])
+    assert all(is_window_of(r, flat[cut:]) for r in held.rows(0, BATCH))
 
 
 def test_held_out_tail_is_never_trained_on(tmp_path):
