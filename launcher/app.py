@@ -10,6 +10,7 @@ import itertools
 import os
 import re
 import sys
+import traceback
 from pathlib import Path
 
 import hydra
@@ -154,10 +155,21 @@ def main() -> None:
         code = slurm_launcher.outcome["exit_code"]
     except SystemExit as e:  # a refused gate (exit 3) and the like
         code = e.code
-    gate = sys.modules.get("pdecomp.gate")
-    if gate is not None and gate.compile_in_flight():  # a gate-only run left codegen running
+    except BaseException:  # Ctrl-C and the like: the traceback, then the same way out
+        if not _compile_in_flight():
+            raise
+        traceback.print_exc()
+        code = 1
+    if _compile_in_flight():  # a gate-only run left XLA's code generation running
+        gate = sys.modules["pdecomp.gate"]
         gate.end_process(0 if code is None else code if isinstance(code, int) else 1)
     sys.exit(code)
+
+
+def _compile_in_flight() -> bool:
+    # Looked up, not imported: only a job that ran has loaded the gate (and JAX with it).
+    gate = sys.modules.get("pdecomp.gate")
+    return gate is not None and gate.compile_in_flight()
 
 
 if __name__ == "__main__":
