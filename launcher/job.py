@@ -193,7 +193,8 @@ def print_findings(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> No
 
     lm = cfg.model.kind == "llama"
     table = Table(title=f"{cfg.name}: what SPD found")
-    cols = ("site", "C", "live", "L0") + (() if lm else ("MMCS", "ML2R", "one-to-one"))
+    cols = ("site", "C", "live", "L0") + (() if lm else ("1-hot live", "MMCS", "ML2R",
+                                                       "one-to-one"))
     for col in cols:
         table.add_column(col)
     for site, C in site_C(cfg).items():
@@ -203,7 +204,7 @@ def print_findings(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> No
 
         row = [site, str(C), fmt("live", "d"), fmt("l0")]
         if not lm:
-            row += [fmt("mmcs"), fmt("ml2r"), fmt("one_to_one", "d")]
+            row += [fmt("live_one_hot", "d"), fmt("mmcs"), fmt("ml2r"), fmt("one_to_one", "d")]
         table.add_row(*row)
     console.print(table)
     if lm:  # how much of the target's behaviour each kind of mask keeps

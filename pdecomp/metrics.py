@@ -191,6 +191,17 @@ def tms_ground_truth(target: TMS, components: Components,
     return out
 
 
+def one_hot_live(target: TMS | ResidMLP, components: Components, ci_fn, threshold: float,
+                 value: float = 0.75) -> dict[str, int]:
+    """Per site: components whose CI exceeds the threshold on some single-feature input
+    value·e_f. The view of the paper's CI-per-feature plots: unlike `live`, it cannot see a
+    component that fires only when several features are on at once."""
+    n = target.W.shape[0] if isinstance(target, TMS) else target.W_E.shape[0]
+    ci = causal_importances(target, components, ci_fn, value * jnp.eye(n, dtype=jnp.float32))
+    return {f"live_one_hot/{s}": int((np.asarray(v) > threshold).any(0).sum())
+            for s, v in ci.items()}
+
+
 def resid_one_to_one(target: ResidMLP, components: Components, ci_fn,
                      threshold: float) -> dict[str, int]:
     """Per mlp_in site: how many features activate exactly one component that no other

@@ -418,6 +418,7 @@ def evaluate(cfg: RunConfig, target, state: TrainState, run_dir: Path,
     elif isinstance(target, targets.TMS):
         summary.update(metrics.tms_ground_truth(
             target, components, {s: v["max_ci"] > thr for s, v in ci.items()}))
+        summary.update(metrics.one_hot_live(target, components, state.ci_fn, thr))
     else:
         summary.update(metrics.resid_one_to_one(target, components, state.ci_fn, thr))
     if cfg.logging.plots and is_main_process():

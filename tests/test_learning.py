@@ -27,5 +27,7 @@ def test_short_tms_run_sparsifies_and_aligns(tmp_path):
     assert last["loss/imp_min"] < 0.7 * first["loss/imp_min"]  # CI becomes sparse
     assert last["train/l0/linear1"] < 0.6  # from ~1 per input toward 0.25
     assert 5 <= summary["live/linear1"] <= 12
+    # each feature alone (0.75·e_f) turns on its own component, on both sites
+    assert summary["live_one_hot/linear1"] >= 5 and summary["live_one_hot/linear2"] >= 5
     assert summary["mmcs/linear1"] > 0.9
     assert (tmp_path / "run" / "gate.json").exists() and summary["steps"] == 1500
