@@ -402,25 +402,28 @@ def evaluate(cfg: RunConfig, target, state: TrainState, run_dir: Path,
     sample = batch_sampler(cfg, batch_sharding, eval_key, held_out=True)
     batches = [sample(i) for i in range(cfg.data.eval_batches)]
     replicated = NamedSharding(batch_sharding.mesh, P())
+    ci_fn = state.ci_fn
     if cfg.model.kind != "llama":
-        # The toys' ground-truth metrics read weights on the host: every process needs its
-        # whole copy (they are tiny), also when the state is split across processes (FSDP).
-        target, components = jax.jit(lambda t: t, out_shardings=replicated)((target, components))
-    ci = metrics.ci_summary(target, components, state.ci_fn, batches, thr, replicated)
+        # The toys' ground-truth metrics read weights and CI on the host: every process
+        # needs its whole copy (they are tiny), also when the state is split across
+        # processes (FSDP).
+        target, components, ci_fn = jax.jit(lambda t: t, out_shardings=replicated)(
+            (target, components, ci_fn))
+    ci = metrics.ci_summary(target, components, ci_fn, batches, thr, replicated)
     summary: dict[str, Any] = {}
     for s, v in ci.items():
         summary[f"live/{s}"] = v["live"]
         summary[f"l0/{s}"] = v["l0"]
     if cfg.model.kind == "llama":
         summary.update(metrics.lm_mask_metrics(
-            target, components, state.ci_fn, batches, eval_key, thr, cfg.layers.delta,
+            target, components, ci_fn, batches, eval_key, thr, cfg.layers.delta,
             jnp.dtype(cfg.memory.compute_dtype), cfg.loss.eval_pgd))
     elif isinstance(target, targets.TMS):
         summary.update(metrics.tms_ground_truth(
             target, components, {s: v["max_ci"] > thr for s, v in ci.items()}))
-        summary.update(metrics.one_hot_live(target, components, state.ci_fn, thr))
+        summary.update(metrics.one_hot_live(target, components, ci_fn, thr))
     else:
-        summary.update(metrics.resid_one_to_one(target, components, state.ci_fn, thr))
+        summary.update(metrics.resid_one_to_one(target, components, ci_fn, thr))
     if cfg.logging.plots and is_main_process():
         summary["plots/mean_ci"] = str(plots.plot_mean_ci(ci, run_dir / "mean_ci.png", thr))
         if isinstance(target, targets.TMS) and target.W.shape[1] == 2 \
