@@ -189,7 +189,7 @@ def _stop_for_scheduler(ranks: cluster.Ranks, signals: cluster.StopSignals, e: E
 def print_findings(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> None:
     """What the decomposition found, in a form a person reads at a glance."""
     from pdecomp.config import site_C
-    from pdecomp.metrics import MASK_KINDS
+    from pdecomp.metrics import EVAL_KINDS
 
     lm = cfg.model.kind == "llama"
     table = Table(title=f"{cfg.name}: what SPD found")
@@ -211,7 +211,7 @@ def print_findings(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> No
         masks = Table(title=f"every site masked; target CE {summary['ce/target']:.4f}")
         for col in ("mask", "CE", "KL to target", "CE unrecovered"):
             masks.add_column(col)
-        for kind in (*MASK_KINDS, "pgd"):
+        for kind in EVAL_KINDS:
             if f"ce/{kind}" not in summary:  # pgd: loss.eval_pgd.n_steps=0
                 continue
             unrecovered = summary[f"ce_unrecovered/{kind}"]

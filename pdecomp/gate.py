@@ -86,12 +86,7 @@ def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, 
             compile_s = time.perf_counter() - t0
             temps = largest_temps(Path(dump_dir.name), top_temps) if dump_dir else []
         sizes = None
-    if sizes is None:
-        ma = compiled.memory_analysis()
-        sizes = {"argument": int(ma.argument_size_in_bytes), "output": int(ma.output_size_in_bytes),
-                 "temp": int(ma.temp_size_in_bytes), "alias": int(ma.alias_size_in_bytes),
-                 "host_temp": int(getattr(ma, "host_temp_size_in_bytes", 0) or 0),
-                 "xla_peak": int(getattr(ma, "peak_memory_in_bytes", 0) or 0)}
+    sizes = sizes or analysis_sizes(compiled)
     arg, out, temp, alias = (sizes[k] for k in ("argument", "output", "temp", "alias"))
     peak = temp + arg + out - alias
     report = {
@@ -157,6 +152,15 @@ def _compile_detached(lowered, expected_argument: int | None
     if "error" in result:
         raise result["error"]
     return result["compiled"], None, Path(dump)
+
+
+def analysis_sizes(compiled: Any) -> dict[str, int]:
+    """The sizes of a finished compile, from XLA's memory analysis."""
+    ma = compiled.memory_analysis()
+    return {"argument": int(ma.argument_size_in_bytes), "output": int(ma.output_size_in_bytes),
+            "temp": int(ma.temp_size_in_bytes), "alias": int(ma.alias_size_in_bytes),
+            "host_temp": int(getattr(ma, "host_temp_size_in_bytes", 0) or 0),
+            "xla_peak": int(getattr(ma, "peak_memory_in_bytes", 0) or 0)}
 
 
 def assignment_sizes(path: Path) -> dict[str, int]:

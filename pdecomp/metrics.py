@@ -16,6 +16,7 @@ from pdecomp.components import Components, SiteMask, masked_linear, recording_li
 from pdecomp.config import EvalPGDConfig
 from pdecomp.masks import masks_from_sources, sample_forward_masks
 from pdecomp.targets import TMS, ResidMLP
+from pdecomp.train import Adversary, ascend
 
 
 def causal_importances(target, components: Components, ci_fn, x: Array) -> dict[str, Array]:
@@ -28,6 +29,7 @@ def causal_importances(target, components: Components, ci_fn, x: Array) -> dict[
 
 
 MASK_KINDS = ("ci", "unmasked", "stochastic", "random", "rounded", "zero")
+EVAL_KINDS = (*MASK_KINDS, "pgd")  # pgd: the fresh adversary, when loss.eval_pgd has steps
 
 
 def eval_masks(kind: str, lower: dict[str, Array], key: Array, threshold: float,
@@ -58,14 +60,13 @@ def fresh_pgd_masks(distance: Callable[[dict[str, SiteMask]], Array],
                for s, v in lower.items()}
     routed = {s: None for s in lower}
 
-    def ascent(_, sources):
+    def ascent(_, adv):
         grads = jax.grad(lambda src: distance(masks_from_sources(lower, src, routed, delta)))(
-            sources)
-        return jax.tree.map(lambda s, g: jnp.clip(s + pgd.step_size * jnp.sign(g), 0.0, 1.0),
-                            sources, grads)
+            adv.sources)
+        return ascend(adv, grads, pgd.step_size, "sign")  # sign steps keep no optimizer state
 
-    sources = jax.lax.fori_loop(0, pgd.n_steps, ascent, sources)
-    return masks_from_sources(lower, sources, routed, delta)
+    adv = jax.lax.fori_loop(0, pgd.n_steps, ascent, Adversary(sources, None))
+    return masks_from_sources(lower, adv.sources, routed, delta)
 
 
 def lm_mask_metrics(target, components: Components, ci_fn, batches: Sequence[Array],
@@ -76,7 +77,7 @@ def lm_mask_metrics(target, components: Components, ci_fn, batches: Sequence[Arr
     steps), mean over the batches; ce_unrecovered per kind = (CE_masked − CE_target) /
     (CE_zero − CE_target): 0 is the target, 1 is no better than ablating every site."""
     sites = tuple(components.sites)
-    kinds = MASK_KINDS + (("pgd",) if pgd.n_steps else ())
+    kinds = EVAL_KINDS if pgd.n_steps else MASK_KINDS
 
     @jax.jit  # the model and its components are arguments, not constants of the program
     def one(target, components, ci_fn, tokens, key):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -149,36 +149,44 @@ def train_target(cfg: ModelConfig, seed: int,
     with AdamW on next-token CE over the synthetic language."""
     if cfg.kind == "llama":
         return _train_llama(cfg, seed, on_progress)
-    key = jax.random.PRNGKey(seed)
-    init_key, data_key = jax.random.split(key)
+    init_key, data_key = jax.random.split(jax.random.PRNGKey(seed))
     target = init_target(init_key, cfg)
     params, static = eqx.partition(target, _trainable(target))
-    opt = optax.adam(cfg.train_lr)
-    opt_state = opt.init(params)
 
-    def step(carry, key):
-        params, opt_state = carry
+    def loss_fn(params, key):
         x = sample_inputs(key, cfg, cfg.train_batch_size)
+        return jnp.mean((eqx.combine(params, static)(x) - labels(cfg, x)) ** 2)
 
-        def loss_fn(p):
-            return jnp.mean((eqx.combine(p, static)(x) - labels(cfg, x)) ** 2)
+    chunk = 500
+    keys = jax.random.split(data_key, cfg.train_steps)
+    chunks = ((min(s + chunk, cfg.train_steps), keys[s:s + chunk])
+              for s in range(0, cfg.train_steps, chunk))
+    return eqx.combine(_fit(params, loss_fn, optax.adam(cfg.train_lr), chunks, on_progress),
+                       static)
 
-        loss, grads = jax.value_and_grad(loss_fn)(params)
+
+def _fit(params: Any, loss_fn: Callable[[Any, Any], Array], opt: optax.GradientTransformation,
+         chunks: Iterable[tuple[int, Any]],
+         on_progress: Callable[[int, float], None] | None) -> Any:
+    """Minimise `loss_fn(params, batch)` with `opt`, one compiled scan per chunk of stacked
+    batches; `chunks` yields (steps done after the chunk, the chunk's batches)."""
+    def step(carry, batch):
+        params, opt_state = carry
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
         updates, opt_state = opt.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), loss
 
     @jax.jit
-    def run_chunk(params, opt_state, keys):
-        (params, opt_state), losses = jax.lax.scan(step, (params, opt_state), keys)
-        return params, opt_state, losses[-1]
+    def run_chunk(params, opt_state, batches):
+        (params, opt_state), losses_ = jax.lax.scan(step, (params, opt_state), batches)
+        return params, opt_state, losses_[-1]
 
-    chunk = 500
-    keys = jax.random.split(data_key, cfg.train_steps)
-    for start in range(0, cfg.train_steps, chunk):
-        params, opt_state, loss = run_chunk(params, opt_state, keys[start:start + chunk])
+    opt_state = opt.init(params)
+    for done, batches in chunks:
+        params, opt_state, loss = run_chunk(params, opt_state, batches)
         if on_progress is not None:
-            on_progress(min(start + chunk, cfg.train_steps), float(loss))
-    return eqx.combine(params, static)
+            on_progress(done, float(loss))
+    return params
 
 
 # A trained Llama's CE may exceed the language's rate by this much: a row's first few ids
@@ -195,33 +203,18 @@ def _language(cfg: ModelConfig, seed: int) -> data.TokenStream:
 
 def _train_llama(cfg: ModelConfig, seed: int,
                  on_progress: Callable[[int, float], None] | None) -> llama.Llama:
-    model = init_target(jax.random.PRNGKey(seed), cfg)
     steps = cfg.train_steps
     lr = optax.warmup_cosine_decay_schedule(0.0, cfg.train_lr, max(steps // 20, 1), steps,
                                             0.1 * cfg.train_lr)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(lr, weight_decay=0.0))
-    opt_state = opt.init(model)
-
-    def step(carry, tokens):
-        model, opt_state = carry
-        loss, grads = jax.value_and_grad(lambda m: losses.cross_entropy(m(tokens), tokens))(
-            model)
-        updates, opt_state = opt.update(grads, opt_state, model)
-        return (optax.apply_updates(model, updates), opt_state), loss
-
-    @jax.jit
-    def run_chunk(model, opt_state, tokens):
-        (model, opt_state), loss = jax.lax.scan(step, (model, opt_state), tokens)
-        return model, opt_state, loss[-1]
-
     stream = _language(cfg, seed)
-    for start in range(0, steps, _LM_CHUNK):
-        n = min(_LM_CHUNK, steps - start)
-        tokens = np.stack([stream.rows(start + i, cfg.train_batch_size) for i in range(n)])
-        model, opt_state, loss = run_chunk(model, opt_state, tokens)
-        if on_progress is not None:
-            on_progress(start + n, float(loss))
-    return model
+    chunks = ((min(s + _LM_CHUNK, steps),
+               np.stack([stream.rows(i, cfg.train_batch_size)
+                         for i in range(s, min(s + _LM_CHUNK, steps))]))
+              for s in range(0, steps, _LM_CHUNK))
+    return _fit(init_target(jax.random.PRNGKey(seed), cfg),
+                lambda model, tokens: losses.cross_entropy(model(tokens), tokens), opt, chunks,
+                on_progress)
 
 
 def target_report(target: Target, cfg: ModelConfig) -> dict[str, object]:

@@ -179,9 +179,9 @@ def test_detached_deviceless_gate_reports_what_the_whole_compile_does(tmp_path):
     for k in ("argument", "output", "temp", "alias", "peak"):
         assert early[f"{k}_bytes"] == whole[f"{k}_bytes"], k
     assert whole["xla_peak_bytes"] > 0
-    # None when the reading came first (almost always; a toy's codegen is short, so the
-    # whole compile may win the race, and then its figures are used)
-    assert early["xla_peak_bytes"] in (None, whole["xla_peak_bytes"])
+    # the reading came from the buffer assignment, not from the finished compile (code
+    # generation takes seconds even here; the reader polls every 0.1 s)
+    assert early["xla_peak_bytes"] is None
     assert early["fits"] == whole["fits"]
 
 
