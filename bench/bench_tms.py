@@ -24,10 +24,11 @@ TORCH_FULL_RUN_S = 6 * 60.0
 STEP_SCRIPT = textwrap.dedent("""
     import json, time, jax, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from pdecomp import targets
+    from pdecomp import hardware, targets
     from pdecomp.config import RunConfig
     from pdecomp.train import init_state, make_train_step
     cfg = RunConfig()
+    hardware.keep_freed_host_memory()  # as pdecomp.run does for CPU training
     mesh = Mesh(np.array(jax.devices()), ("data",))
     rep, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     target = jax.device_put(targets.init_target(jax.random.PRNGKey(0), cfg.model), rep)

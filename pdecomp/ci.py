@@ -17,7 +17,10 @@ from pdecomp.components import Components
 from pdecomp.config import LayersConfig
 
 ALPHA = 0.01
-_BLOCK_DIAG_MAX_C = 32  # above this the block-diagonal form's extra arithmetic costs more
+# The block-diagonal form (see `_block_diagonal`) runs in groups of this many components;
+# above _BLOCK_DIAG_MAX_C components the unrolled groups would bloat the program.
+_BLOCK_DIAG_GROUP = 10
+_BLOCK_DIAG_MAX_C = 256
 
 
 @jax.custom_vjp
@@ -97,20 +100,27 @@ class ComponentwiseMLP(eqx.Module):
         return h[..., 0].astype(jnp.float32)
 
     def _block_diagonal(self, x: Array, V: Array) -> Array:
-        """The same one-hidden-layer MLPs as two dense matmuls with block-diagonal weights.
+        """The same one-hidden-layer MLPs as dense matmuls with block-diagonal weights, one
+        group of components at a time.
 
-        For small C this does C times the arithmetic of the elementwise form but runs
-        about twice as fast on CPU (dense matmuls are multi-threaded and vectorised; the
-        elementwise passes of the backward are not). Results agree to float rounding.
+        A group of g components does g times the arithmetic of the elementwise form but
+        runs faster on CPU: dense matmuls are vectorised and multi-threaded, while XLA:CPU
+        turns the elementwise form's reductions into broadcasts it materialises. Measured
+        at batch 4096 (fwd + bwd, one site): C = 200 in groups of 10, 75 ms against 116 ms
+        elementwise. Results agree to float rounding.
         """
-        C, H = self.weights[0].shape[0], self.weights[0].shape[2]
-        eye = jnp.eye(C, dtype=x.dtype)
-        w1 = (eye[:, :, None] * self.weights[0][:, 0, :].astype(x.dtype)[None]).reshape(C, C * H)
-        w2 = (eye[:, None, :] * self.weights[1][:, :, 0].astype(x.dtype)[:, :, None]
-              ).reshape(C * H, C)
-        h = x @ (V.astype(x.dtype) @ w1) + self.biases[0].reshape(-1)
-        out = jax.nn.gelu(h) @ w2 + self.biases[1][:, 0]
-        return out.astype(jnp.float32)
+        w1_all, w2_all = self.weights[0][:, 0, :], self.weights[1][:, :, 0]  # [C, H] each
+        b1_all, b2_all = self.biases[0], self.biases[1][:, 0]
+        C, H = w1_all.shape
+        outs = []
+        for lo in range(0, C, _BLOCK_DIAG_GROUP):
+            hi = min(lo + _BLOCK_DIAG_GROUP, C)
+            eye = jnp.eye(hi - lo, dtype=x.dtype)
+            w1 = (eye[:, :, None] * w1_all[lo:hi].astype(x.dtype)[None]).reshape(hi - lo, -1)
+            w2 = (eye[:, None, :] * w2_all[lo:hi].astype(x.dtype)[:, :, None]).reshape(-1, hi - lo)
+            h = x @ (V[:, lo:hi].astype(x.dtype) @ w1) + b1_all[lo:hi].reshape(-1)
+            outs.append(jax.nn.gelu(h) @ w2 + b2_all[lo:hi])
+        return jnp.concatenate(outs, axis=-1).astype(jnp.float32)
 
 
 class SharedMLP(eqx.Module):

@@ -76,6 +76,17 @@ def with_tied(components: Components, tied: Mapping[str, str]) -> Components:
     return Components(sites)
 
 
+def fold_tied(updates: Components, tied: Mapping[str, str]) -> Components:
+    """Per-site updates (or gradients) of all sites → the owned sites': each follower's
+    lands on its leader, transposed back, and the followers are dropped."""
+    sites = {s: c for s, c in updates.sites.items() if s not in tied}
+    for follower, leader in tied.items():
+        if follower in updates.sites and leader in sites:
+            f, lead = updates.sites[follower], sites[leader]
+            sites[leader] = SiteComponents(lead.V + f.U.T, lead.U + f.V.T)
+    return Components(sites)
+
+
 class SiteMask(NamedTuple):
     """How one live site runs in one forward. Shapes lead with the site input's positions."""
 

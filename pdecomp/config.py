@@ -18,6 +18,7 @@ from typing import Any
 # Values allowed for the string-valued choices; `validate` quotes them in its errors.
 TARGETS = ("tms", "resid_mlp", "llama")
 CI_FN_TYPES = ("mlp", "vector_mlp", "shared_mlp", "global_transformer")
+TIE_UPDATES = ("shared", "per_site")
 SOURCES = ("continuous", "binomial", "ci")
 ROUTINGS = ("all", "uniform_k")
 PLANS = ("all", "layerwise", "chunkwise")
@@ -103,6 +104,11 @@ class LayersConfig:
     # A target with tied weights (TMS: linear2 = linear1ᵀ) gets tied components too: the
     # follower's V, U are its leader's Uᵀ, Vᵀ and own no parameters (as in the SPD paper).
     tie: bool = True
+    # How the one set of tied parameters is updated. `shared`: one AdamW step on the summed
+    # gradient of both sites. `per_site`: each site's gradient gets its own AdamW moments
+    # and step, and both steps land on the shared parameters (what the public PyTorch
+    # implementation does, where the follower's parameters are transposed views).
+    tie_update: str = "shared"  # one of TIE_UPDATES
 
 
 @dataclass(frozen=True)
@@ -352,6 +358,7 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
         if c_f != c_l:
             raise ConfigError(f"layers.C_per_site.{follower}", c_f,
                               f"tied to {leader}: needs its C ({c_l}), or set layers.tie=false")
+    _choice("layers.tie_update", lay.tie_update, TIE_UPDATES)
     _choice("layers.ci_fn", lay.ci_fn, CI_FN_TYPES)
     for h in lay.ci_hidden:
         _positive("layers.ci_hidden", h)

@@ -14,6 +14,8 @@ on demand, only when a deviceless target is asked for.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import functools
 import importlib
 import os
@@ -24,6 +26,32 @@ from pathlib import Path
 import jax
 from jax.experimental import topologies
 from jax.sharding import Mesh
+
+
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc mallopt params
+
+
+@functools.cache
+def keep_freed_host_memory() -> bool:
+    """Let glibc keep freed blocks for reuse instead of handing them back to the kernel.
+
+    XLA:CPU allocates each step's temporaries with malloc. glibc serves blocks over its mmap
+    threshold with fresh mappings and unmaps them on free, so every step page-faults its
+    temporaries in again: with TMS 5-2 at batch 4096 that was 40% of the step (19.9 ms →
+    11.9 ms with blocks reused). The process's resident memory stays at its peak instead.
+    Returns False where the C library is not glibc (nothing changed).
+    """
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        ok = libc.gnu_get_libc_version is not None
+    except (OSError, AttributeError, TypeError):
+        return False
+    # The arguments are ints; a threshold of 1 GiB covers every buffer a CPU run allocates
+    # per step in practice, and fixing it stops glibc from adapting it back down.
+    return ok and all(libc.mallopt(param, value) == 1 for param, value in (
+        (_M_MMAP_THRESHOLD, 1 << 30), (_M_TRIM_THRESHOLD, (1 << 31) - 1),
+        (_M_TOP_PAD, 64 << 20)))
 
 
 @dataclass(frozen=True)

@@ -302,6 +302,8 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
     if cfg.gate.only:
         return {"gate": report}
 
+    if jax.default_backend() == "cpu":
+        hardware.keep_freed_host_memory()
     target, target_meta = load_target(cfg, target_abs, hooks.log)
     sample = batch_sampler(cfg, batch_sharding, data_key)
 

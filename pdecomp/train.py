@@ -26,7 +26,8 @@ from jaxtyping import Array, PRNGKeyArray
 
 from pdecomp import losses
 from pdecomp.ci import CIFunction, ci_lower, ci_upper
-from pdecomp.components import Components, masked_linear, recording_linear, weight_deltas, with_tied
+from pdecomp.components import (Components, fold_tied, masked_linear, recording_linear,
+                                weight_deltas, with_tied)
 from pdecomp.config import OptGroupConfig, PGDConfig, RunConfig, site_C, tied_sites
 from pdecomp.masks import Plan, make_plan, masks_from_sources, sample_forward_masks
 
@@ -66,6 +67,7 @@ class StepSpec:
 
     sites: tuple[str, ...]
     tied: tuple[tuple[str, str], ...]  # (follower, leader)
+    per_site_tied_update: bool
     delta: bool
     recon: tuple[ReconTerm, ...]
     pgd: PGDConfig | None  # None: off
@@ -88,7 +90,7 @@ class StepSpec:
                                 t.source, t.routing) for n, t in lo.recon.items()
                       if t.coeff > 0)  # a zero coefficient switches a term off
         tied = tuple(tied_sites(cfg).items())
-        return StepSpec(sites, tied, cfg.layers.delta, recon,
+        return StepSpec(sites, tied, cfg.layers.tie_update == "per_site", cfg.layers.delta, recon,
                         lo.pgd if lo.pgd.coeff > 0 else None, lo.distance,
                         lo.faithfulness_coeff, lo.imp_min_coeff,
                         (lo.p_start, lo.p_end, lo.p_anneal_start_frac, lo.p_anneal_end_frac),
@@ -175,6 +177,22 @@ def site_shapes(target) -> dict[str, tuple[int, int]]:
     return {s: tuple(W.shape) for s, W in target.site_weights().items()}
 
 
+def optimized_components(cfg: RunConfig, components: Components) -> Components:
+    """What the components' optimizer steps: the owned sites, or with a per-site tied
+    update (`layers.tie_update`) every site, followers as their leaders' transposes."""
+    if cfg.layers.tie_update == "per_site":
+        return with_tied(components, tied_sites(cfg))
+    return components
+
+
+def apply_component_updates(cfg: RunConfig, components: Components,
+                            updates: Components) -> Components:
+    """Optimizer updates (shaped like `optimized_components`) applied to the owned sites."""
+    if cfg.layers.tie_update == "per_site":
+        updates = fold_tied(updates, tied_sites(cfg))
+    return optax.apply_updates(components, updates)
+
+
 def init_state(key: PRNGKeyArray, cfg: RunConfig, target) -> TrainState:
     """Fresh components and CI function for `target` (pure: usable under eval_shape)."""
     C = site_C(cfg)
@@ -193,7 +211,8 @@ def init_state(key: PRNGKeyArray, cfg: RunConfig, target) -> TrainState:
         adversary = Adversary(sources, _PGD_ADAM.init(sources))
     return TrainState(
         step=jnp.zeros((), jnp.int32), components=components, ci_fn=ci_fn,
-        comp_opt=optimizer(cfg.optim.components, cfg.optim.steps).init(components),
+        comp_opt=optimizer(cfg.optim.components, cfg.optim.steps).init(
+            optimized_components(cfg, components)),
         ci_opt=optimizer(cfg.optim.ci_fn, cfg.optim.steps).init(ci_fn), adversary=adversary,
         key=k_run)
 
@@ -210,7 +229,9 @@ def faithfulness_warmup(cfg: RunConfig, components: Components, target) -> Compo
     weights = {s: W for s, W in target.site_weights().items() if s in sites}
 
     def faith(comps, weights):
-        return losses.faithfulness(weight_deltas(weights, with_tied(comps, tied)))
+        if cfg.layers.tie_update == "shared":
+            comps = with_tied(comps, tied)
+        return losses.faithfulness(weight_deltas(weights, comps))
 
     # The weights are an argument, not a closure: a closed-over array becomes a constant in
     # the program (a copy of the target's weights), and one split across processes cannot.
@@ -218,12 +239,13 @@ def faithfulness_warmup(cfg: RunConfig, components: Components, target) -> Compo
     def run(components, weights):
         def body(_, carry):
             comps, opt_state = carry
-            grads = jax.grad(faith)(comps, weights)
-            updates, opt_state = opt.update(grads, opt_state, comps)
-            return optax.apply_updates(comps, updates), opt_state
+            stepped = optimized_components(cfg, comps)
+            updates, opt_state = opt.update(jax.grad(faith)(stepped, weights), opt_state,
+                                            stepped)
+            return apply_component_updates(cfg, comps, updates), opt_state
 
-        comps, _ = jax.lax.fori_loop(0, o.faith_warmup_steps, body,
-                                     (components, opt.init(components)))
+        init = opt.init(optimized_components(cfg, components))
+        comps, _ = jax.lax.fori_loop(0, o.faith_warmup_steps, body, (components, init))
         return comps
 
     return run(components, weights)
@@ -285,8 +307,11 @@ def make_train_step(cfg: RunConfig) -> Callable:
             adversary = jax.lax.fori_loop(0, spec.pgd.n_warmup, warmup_ascent, adversary)
 
         def loss_fn(params, key, step):
-            own_components, ci_fn, sources = params
-            components = with_tied(own_components, dict(spec.tied))
+            stepped_components, ci_fn, sources = params
+            # Shared: the followers are built here, so both sites' gradients sum on the
+            # owned parameters. Per-site: they come in as inputs with gradients of their own.
+            components = (stepped_components if spec.per_site_tied_update
+                          else with_tied(stepped_components, dict(spec.tied)))
             # 2. Causal importances.
             logits = ci_fn(site_inputs, components)
             lower = {s: ci_lower(v) for s, v in logits.items()}
@@ -319,13 +344,13 @@ def make_train_step(cfg: RunConfig) -> Callable:
             return total, (terms, l0, p)
 
         sources = adversary.sources if adversary is not None else None
-        params = (state.components, state.ci_fn, sources)
+        params = (optimized_components(cfg, state.components), state.ci_fn, sources)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         (_, (terms, l0, p)), (g_comp, g_ci, g_src) = grad_fn(params, step_key, state.step)
         # 5. Separate optimizers: components clipped and scheduled apart from the CI fn; the
         # sources ascend on their own gradient, unscaled by the term's coefficient.
-        upd, comp_state = comp_opt.update(g_comp, state.comp_opt, state.components)
-        components = optax.apply_updates(state.components, upd)
+        upd, comp_state = comp_opt.update(g_comp, state.comp_opt, params[0])
+        components = apply_component_updates(cfg, state.components, upd)
         upd, ci_state = ci_opt.update(g_ci, state.ci_opt, state.ci_fn)
         ci_fn = optax.apply_updates(state.ci_fn, upd)
         if spec.pgd:

@@ -11,7 +11,8 @@ import pytest
 
 from pdecomp import losses
 from pdecomp.ci import ALPHA, ci_lower, ci_upper
-from pdecomp.components import Components, SiteMask, frozen_linear, masked_linear, weight_deltas
+from pdecomp.components import (Components, SiteComponents, SiteMask, frozen_linear,
+                                masked_linear, weight_deltas)
 from pdecomp.config import ModelConfig, RunConfig
 from pdecomp.masks import make_plan, masks_from_sources, sample_routing, sample_source
 from pdecomp.targets import TMS, init_target
@@ -172,17 +173,25 @@ def test_block_diagonal_ci_mlp_equals_elementwise_form():
     from pdecomp import ci as ci_mod
     from pdecomp.ci import ComponentwiseMLP
 
-    net = ComponentwiseMLP.init(jax.random.PRNGKey(0), 12, 6, [16], on_inner_acts=True)
+    C = 2 * ci_mod._BLOCK_DIAG_GROUP + 3  # two whole groups and a short one
+    net = ComponentwiseMLP.init(jax.random.PRNGKey(0), C, 6, [16], on_inner_acts=True)
     net = jax.tree.map(lambda w: w + 0.1, net)  # nonzero biases too
-    V = jax.random.normal(jax.random.PRNGKey(1), (6, 12))
+    V = jax.random.normal(jax.random.PRNGKey(1), (6, C))
     x = jax.random.normal(jax.random.PRNGKey(2), (32, 6))
-    fast = net(x, V)
+    cot = jax.random.normal(jax.random.PRNGKey(3), (32, C))
+
+    def value_and_grads():
+        return jax.value_and_grad(lambda n, V: jnp.sum(n(x, V) * cot), argnums=(0, 1))(net, V)
+
+    fast, fast_grads = value_and_grads()
     old, ci_mod._BLOCK_DIAG_MAX_C = ci_mod._BLOCK_DIAG_MAX_C, 0
     try:
-        slow = net(x, V)
+        slow, slow_grads = value_and_grads()
     finally:
         ci_mod._BLOCK_DIAG_MAX_C = old
-    np.testing.assert_allclose(fast, slow, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(fast, slow, rtol=1e-5)
+    for f, s in zip(jax.tree.leaves(fast_grads), jax.tree.leaves(slow_grads), strict=True):
+        np.testing.assert_allclose(f, s, rtol=1e-4, atol=1e-5)
 
 
 def test_tied_follower_is_the_leaders_transpose_and_trains_it():
@@ -201,6 +210,58 @@ def test_tied_follower_is_the_leaders_transpose_and_trains_it():
 
     g = jax.grad(loss)(lead)
     assert float(jnp.abs(g.sites["linear1"].V).max()) > 0.0
+
+
+@pytest.mark.parametrize("tie_update", ["shared", "per_site"])
+def test_tied_update_shared_sums_gradients_per_site_steps_each_site(tie_update):
+    from pdecomp.components import with_tied
+    from pdecomp.train import apply_component_updates, optimized_components, optimizer
+
+    cfg = RunConfig()
+    cfg = dc.replace(cfg, layers=dc.replace(cfg.layers, tie_update=tie_update))
+    lead = Components.init(jax.random.PRNGKey(1), {"linear1": (5, 2)}, {"linear1": 4})
+    stepped = optimized_components(cfg, lead)
+    assert set(stepped.sites) == ({"linear1", "linear2"} if tie_update == "per_site"
+                                  else {"linear1"})
+    both = with_tied(lead, {"linear2": "linear1"})
+    g_all = jax.tree.map(lambda a, k: jax.random.normal(jax.random.PRNGKey(k), a.shape), both,
+                         Components({s: SiteComponents(10 + i, 20 + i)
+                                     for i, s in enumerate(both.sites)}))
+    g1, g2 = g_all.sites["linear1"], g_all.sites["linear2"]
+    grads = g_all if tie_update == "per_site" else Components(
+        {"linear1": SiteComponents(g1.V + g2.U.T, g1.U + g2.V.T)})  # what autodiff sums
+    opt = optimizer(cfg.optim.components, cfg.optim.steps)
+    updates, _ = opt.update(grads, opt.init(stepped), stepped)
+    new = apply_component_updates(cfg, lead, updates).sites["linear1"]
+
+    lr, old = cfg.optim.components.lr, lead.sites["linear1"]
+    # A first Adam step from zero moments is lr * g / (|g| + eps): about lr * sign(g).
+    if tie_update == "per_site":  # one step per site, both on the shared parameters
+        want_V = old.V - lr * (jnp.sign(g1.V) + jnp.sign(g2.U.T))
+        want_U = old.U - lr * (jnp.sign(g1.U) + jnp.sign(g2.V.T))
+    else:
+        want_V = old.V - lr * jnp.sign(g1.V + g2.U.T)
+        want_U = old.U - lr * jnp.sign(g1.U + g2.V.T)
+    np.testing.assert_allclose(new.V, want_V, atol=1e-6)
+    np.testing.assert_allclose(new.U, want_U, atol=1e-6)
+
+
+@pytest.mark.parametrize("tie_update", ["shared", "per_site"])
+def test_train_step_with_tied_update_trains_the_leader(tie_update):
+    from pdecomp import targets
+    from pdecomp.train import init_state, make_train_step
+
+    cfg = RunConfig()
+    cfg = dc.replace(cfg, layers=dc.replace(cfg.layers, tie_update=tie_update),
+                     data=dc.replace(cfg.data, batch_size=64))
+    target = targets.init_target(jax.random.PRNGKey(0), cfg.model)
+    state = init_state(jax.random.PRNGKey(1), cfg, target)
+    x = targets.sample_inputs(jax.random.PRNGKey(2), cfg.model, 64)
+    new, metrics = jax.jit(make_train_step(cfg))(state, target, x)
+    assert set(new.components.sites) == {"linear1"}  # the follower still owns nothing
+    assert float(jnp.abs(new.components.sites["linear1"].V
+                         - state.components.sites["linear1"].V).max()) > 0
+    assert np.isfinite(float(metrics["loss/total"]))
 
 
 @pytest.mark.parametrize("ci_fn", ["mlp", "vector_mlp", "shared_mlp"])
