@@ -104,11 +104,12 @@ class LayersConfig:
     # A target with tied weights (TMS: linear2 = linear1ᵀ) gets tied components too: the
     # follower's V, U are its leader's Uᵀ, Vᵀ and own no parameters (as in the SPD paper).
     tie: bool = True
-    # How the one set of tied parameters is updated. `shared`: one AdamW step on the summed
-    # gradient of both sites. `per_site`: each site's gradient gets its own AdamW moments
-    # and step, and both steps land on the shared parameters (what the public PyTorch
-    # implementation does, where the follower's parameters are transposed views).
-    tie_update: str = "shared"  # one of TIE_UPDATES
+    # How the one set of tied parameters is updated. `per_site`: each site's gradient gets
+    # its own AdamW moments and step, and both steps land on the shared parameters (what the
+    # public PyTorch implementation does, where the follower's parameters are transposed
+    # views); TMS 40-10 needs it for its 40 live components. `shared`: one AdamW step on the
+    # summed gradient of both sites.
+    tie_update: str = "per_site"  # one of TIE_UPDATES
 
 
 @dataclass(frozen=True)
