@@ -190,7 +190,7 @@ def test_interrupted_job_requeues_and_ends_as_if_uninterrupted(
     assert all(text.count("exit 75") == 1 for text in logs.values()), logs
     assert f"resumed from checkpoint at step {stopped_at}" in logs[f"{job}_0_log.err"]
     run_dir = sweep / "0"
-    assert_same_losses(run_dir, reference)
+    assert_same_losses(run_dir, reference, rel=1e-4)  # f32 sums in another order across nodes
     got, want = final_state(run_dir), final_state(reference)
     assert got.keys() == want.keys()
     for k in want:
