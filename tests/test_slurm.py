@@ -126,7 +126,7 @@ def check_two_process_run(proc, sweep: Path, reference: Path, hosts: int) -> Non
     run_dir = sweep / "0"
     gate = load_json(run_dir / "gate.json")
     assert gate["n_devices"] == 2 and "(2 hosts)" in gate["target"], gate["target"]
-    assert_same_losses(run_dir, reference)
+    assert_same_losses(run_dir, reference, rel=1e-4)  # f32 sums in another order across processes
     logs = rank_logs(sweep)
     assert len(logs) == 2, list(logs)
     for rank, text in enumerate(logs.values()):
@@ -190,7 +190,7 @@ def test_interrupted_job_requeues_and_ends_as_if_uninterrupted(
     assert all(text.count("exit 75") == 1 for text in logs.values()), logs
     assert f"resumed from checkpoint at step {stopped_at}" in logs[f"{job}_0_log.err"]
     run_dir = sweep / "0"
-    assert_same_losses(run_dir, reference, rel=1e-4)  # f32 sums in another order across nodes
+    assert_same_losses(run_dir, reference)
     got, want = final_state(run_dir), final_state(reference)
     assert got.keys() == want.keys()
     for k in want:
