@@ -67,21 +67,23 @@ class Components(eqx.Module):
 
 def with_tied(components: Components, tied: Mapping[str, str]) -> Components:
     """All sites' components: each follower site gets its leader's transpose (V=Uᵀ, U=Vᵀ),
-    so gradients from both sites reach the one set of parameters."""
+    so gradients from both sites reach the one set of parameters. A follower already
+    present is kept as it is: with a per-site tied update (`train.optimized_components`) it
+    is an input of its own, with its own gradient."""
     sites = dict(components.sites)
     for follower, leader in tied.items():
-        if leader in sites:
+        if leader in sites and follower not in sites:
             lead = sites[leader]
             sites[follower] = SiteComponents(lead.U.T, lead.V.T)
     return Components(sites)
 
 
 def fold_tied(updates: Components, tied: Mapping[str, str]) -> Components:
-    """Per-site updates (or gradients) of all sites → the owned sites': each follower's
-    lands on its leader, transposed back, and the followers are dropped."""
+    """Updates (or gradients) per site → the owned sites': each follower's lands on its
+    leader, transposed back. Without followers (a shared tied update) nothing changes."""
     sites = {s: c for s, c in updates.sites.items() if s not in tied}
     for follower, leader in tied.items():
-        if follower in updates.sites and leader in sites:
+        if follower in updates.sites:
             f, lead = updates.sites[follower], sites[leader]
             sites[leader] = SiteComponents(lead.V + f.U.T, lead.U + f.V.T)
     return Components(sites)

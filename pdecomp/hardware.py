@@ -1,4 +1,5 @@
-"""GPUs a run can be gated for without having them: their figures, and a compile-only mesh.
+"""GPUs a run can be gated for without having them: their figures, and a compile-only mesh;
+and how a CPU host's allocator should treat XLA's per-step buffers.
 
 XLA:GPU plans memory from a GpuTargetConfigProto: it rematerializes toward a limit derived
 from `device_memory_size` (about 0.8 x the size), so the size must be the real card's or the
@@ -41,15 +42,13 @@ def keep_freed_host_memory() -> bool:
     11.9 ms with blocks reused). The process's resident memory stays at its peak instead.
     Returns False where the C library is not glibc (nothing changed).
     """
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name)
-        ok = libc.gnu_get_libc_version is not None
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.gnu_get_libc_version  # noqa: B018 - only glibc has it (AttributeError elsewhere)
     except (OSError, AttributeError, TypeError):
         return False
-    # The arguments are ints; a threshold of 1 GiB covers every buffer a CPU run allocates
-    # per step in practice, and fixing it stops glibc from adapting it back down.
-    return ok and all(libc.mallopt(param, value) == 1 for param, value in (
+    # A fixed threshold (1 GiB) also stops glibc from adapting it back down.
+    return all(libc.mallopt(param, value) == 1 for param, value in (
         (_M_MMAP_THRESHOLD, 1 << 30), (_M_TRIM_THRESHOLD, (1 << 31) - 1),
         (_M_TOP_PAD, 64 << 20)))
 

@@ -67,7 +67,6 @@ class StepSpec:
 
     sites: tuple[str, ...]
     tied: tuple[tuple[str, str], ...]  # (follower, leader)
-    per_site_tied_update: bool
     delta: bool
     recon: tuple[ReconTerm, ...]
     pgd: PGDConfig | None  # None: off
@@ -90,7 +89,7 @@ class StepSpec:
                                 t.source, t.routing) for n, t in lo.recon.items()
                       if t.coeff > 0)  # a zero coefficient switches a term off
         tied = tuple(tied_sites(cfg).items())
-        return StepSpec(sites, tied, cfg.layers.tie_update == "per_site", cfg.layers.delta, recon,
+        return StepSpec(sites, tied, cfg.layers.delta, recon,
                         lo.pgd if lo.pgd.coeff > 0 else None, lo.distance,
                         lo.faithfulness_coeff, lo.imp_min_coeff,
                         (lo.p_start, lo.p_end, lo.p_anneal_start_frac, lo.p_anneal_end_frac),
@@ -188,9 +187,7 @@ def optimized_components(cfg: RunConfig, components: Components) -> Components:
 def apply_component_updates(cfg: RunConfig, components: Components,
                             updates: Components) -> Components:
     """Optimizer updates (shaped like `optimized_components`) applied to the owned sites."""
-    if cfg.layers.tie_update == "per_site":
-        updates = fold_tied(updates, tied_sites(cfg))
-    return optax.apply_updates(components, updates)
+    return optax.apply_updates(components, fold_tied(updates, tied_sites(cfg)))
 
 
 def init_state(key: PRNGKeyArray, cfg: RunConfig, target) -> TrainState:
@@ -229,9 +226,7 @@ def faithfulness_warmup(cfg: RunConfig, components: Components, target) -> Compo
     weights = {s: W for s, W in target.site_weights().items() if s in sites}
 
     def faith(comps, weights):
-        if cfg.layers.tie_update == "shared":
-            comps = with_tied(comps, tied)
-        return losses.faithfulness(weight_deltas(weights, comps))
+        return losses.faithfulness(weight_deltas(weights, with_tied(comps, tied)))
 
     # The weights are an argument, not a closure: a closed-over array becomes a constant in
     # the program (a copy of the target's weights), and one split across processes cannot.
@@ -308,10 +303,10 @@ def make_train_step(cfg: RunConfig) -> Callable:
 
         def loss_fn(params, key, step):
             stepped_components, ci_fn, sources = params
-            # Shared: the followers are built here, so both sites' gradients sum on the
-            # owned parameters. Per-site: they come in as inputs with gradients of their own.
-            components = (stepped_components if spec.per_site_tied_update
-                          else with_tied(stepped_components, dict(spec.tied)))
+            # Shared tied update: the followers are built here, so both sites' gradients
+            # sum on the owned parameters. Per-site: they came in with the stepped
+            # components (optimized_components), with gradients of their own.
+            components = with_tied(stepped_components, dict(spec.tied))
             # 2. Causal importances.
             logits = ci_fn(site_inputs, components)
             lower = {s: ci_lower(v) for s, v in logits.items()}
