@@ -195,6 +195,17 @@ def test_block_diagonal_ci_mlp_equals_elementwise_form():
         np.testing.assert_allclose(f, s, rtol=1e-4, atol=1e-5)
 
 
+def test_block_diagonal_ci_mlp_only_where_the_step_is_lowered_for_cpu():
+    from pdecomp.ci import _BLOCK_DIAG_GROUP, ComponentwiseMLP
+
+    net = ComponentwiseMLP.init(jax.random.PRNGKey(0), 20, 6, [16], on_inner_acts=True)
+    traced = jax.jit(lambda n, x, V: n(x, V)).trace(net, jnp.ones((32, 6)), jnp.ones((6, 20)))
+    group_matmul = f"tensor<32x{_BLOCK_DIAG_GROUP * 16}xf32>"  # a group's hidden layer
+    assert group_matmul in traced.lower(lowering_platforms=("cpu",)).as_text()
+    # a deviceless GPU gate lowers on a CPU host: it must get the GPU's (elementwise) form
+    assert group_matmul not in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
 def test_tied_follower_is_the_leaders_transpose_and_trains_it():
     from pdecomp.components import with_tied
 
