@@ -170,15 +170,16 @@ def test_tms_sites_in_canonical_order():
     assert isinstance(t, TMS) and list(t.site_weights()) == ["linear1", "hidden", "linear2"]
 
 
-def test_block_diagonal_ci_mlp_equals_elementwise_form():
+@pytest.mark.parametrize("d_in", [6, 200])  # V folded into each group, or x @ V once
+def test_block_diagonal_ci_mlp_equals_elementwise_form(d_in):
     from pdecomp import ci as ci_mod
     from pdecomp.ci import ComponentwiseMLP
 
     C = 2 * ci_mod._BLOCK_DIAG_GROUP + 3  # two whole groups and a short one
-    net = ComponentwiseMLP.init(jax.random.PRNGKey(0), C, 6, [16], on_inner_acts=True)
+    net = ComponentwiseMLP.init(jax.random.PRNGKey(0), C, d_in, [16], on_inner_acts=True)
     net = jax.tree.map(lambda w: w + 0.1, net)  # nonzero biases too
-    V = jax.random.normal(jax.random.PRNGKey(1), (6, C))
-    x = jax.random.normal(jax.random.PRNGKey(2), (32, 6))
+    V = jax.random.normal(jax.random.PRNGKey(1), (d_in, C)) / np.sqrt(d_in)
+    x = jax.random.normal(jax.random.PRNGKey(2), (32, d_in))
     cot = jax.random.normal(jax.random.PRNGKey(3), (32, C))
 
     def value_and_grads():
