@@ -6,6 +6,7 @@ import logging
 import os
 import shutil
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -132,9 +133,21 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
             wb.summary("gate", report)
             wb.log(0, {"hbm/predicted_peak_gib": report["peak_bytes"] / GiB})
 
+    # A log file (SLURM, nohup) gets no live bar: it gets a plain line every 5% of the steps
+    # or every minute, whichever comes first.
+    plain_lines = not progress.disable and not console.is_terminal
+    last_line = [time.monotonic()]
+
     def on_progress(done: int, total: int, last: dict[str, float]) -> None:
         info = f"loss {last['loss/total']:.3g}" if "loss/total" in last else ""
         progress.update(task, completed=done, info=info)
+        now = time.monotonic()
+        if plain_lines and (done == total or done % max(total // 20, 1) == 0
+                            or now - last_line[0] >= 60):
+            last_line[0] = now
+            rate = f", {1 / last['perf/step_s']:.3g} steps/s" if "perf/step_s" in last else ""
+            console.print(f"{cfg.name}: step {done}/{total}{', ' + info if info else ''}{rate}",
+                          highlight=False)
 
     hooks = Hooks(log=lambda s: console.print(f"[dim]{s}[/dim]") if rank0 else None,
                   on_metrics=(wb.log if wb else None), on_gate=on_gate, progress=on_progress,

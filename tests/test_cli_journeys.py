@@ -121,6 +121,10 @@ def test_run_with_overrides_in_every_group(full_run) -> None:
     assert len(wb) == 1 and list(wb[0].glob("run-*.wandb")), list((run_dir / "wandb").iterdir())
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["20", "40"]
     assert "what SPD found" in proc.stderr
+    # stderr is a pipe here, as in a SLURM log: plain progress lines instead of a live bar
+    steps = [line.split("step ")[1].split(",")[0] for line in proc.stderr.splitlines()
+             if line.startswith("tms_5-2: step ")]
+    assert steps[-1] == "40/40" and len(steps) >= 20, proc.stderr
 
 
 def test_rerun_same_dir_resumes_from_checkpoint(full_run, env: dict[str, str],
