@@ -48,8 +48,13 @@ def ci_upper(x: Array) -> Array:
     return jnp.where(x > 1, 1 + ALPHA * (x - 1), jnp.clip(x, 0.0, 1.0))
 
 
-def _init_layer(key: PRNGKeyArray, shape: tuple[int, ...], fan_in: int) -> Array:
-    return jax.random.normal(key, shape, jnp.float32) * jnp.sqrt(2.0 / fan_in)
+def _init_layers(key: PRNGKeyArray, shapes: list[tuple[int, ...]]) -> list[Array]:
+    """Normal weights with std gain/√fan_in, fan_in = shape[-2]: He gain √2 for layers that
+    feed a GELU, gain 1 for the linear output layer (as the paper's reference code)."""
+    keys = jax.random.split(key, len(shapes))
+    return [jax.random.normal(k, shape, jnp.float32)
+            * jnp.sqrt((2.0 if i < len(shapes) - 1 else 1.0) / shape[-2])
+            for i, (k, shape) in enumerate(zip(keys, shapes))]
 
 
 def _per_component_dense(h: Array, w: Float[Array, "C fan_in fan_out"]) -> Array:
@@ -81,8 +86,7 @@ class ComponentwiseMLP(eqx.Module):
     def init(key: PRNGKeyArray, C: int, d_in: int, hidden: list[int],
              on_inner_acts: bool) -> ComponentwiseMLP:
         dims = [1 if on_inner_acts else d_in, *hidden, 1]
-        keys = jax.random.split(key, len(dims) - 1)
-        ws = [_init_layer(k, (C, a, b), a) for k, a, b in zip(keys, dims[:-1], dims[1:])]
+        ws = _init_layers(key, [(C, a, b) for a, b in zip(dims[:-1], dims[1:])])
         bs = [jnp.zeros((C, b), jnp.float32) for b in dims[1:]]
         return ComponentwiseMLP(ws, bs, on_inner_acts)
 
@@ -146,8 +150,7 @@ class SharedMLP(eqx.Module):
     @staticmethod
     def init(key: PRNGKeyArray, C: int, d_in: int, hidden: list[int]) -> SharedMLP:
         dims = [d_in, *hidden, C]
-        keys = jax.random.split(key, len(dims) - 1)
-        ws = [_init_layer(k, (a, b), a) for k, a, b in zip(keys, dims[:-1], dims[1:])]
+        ws = _init_layers(key, [(a, b) for a, b in zip(dims[:-1], dims[1:])])
         return SharedMLP(ws, [jnp.zeros((b,), jnp.float32) for b in dims[1:]])
 
     def __call__(self, x: Float[Array, "*pos d_in"], V: Array) -> Float[Array, "*pos C"]:

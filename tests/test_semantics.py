@@ -207,6 +207,19 @@ def test_block_diagonal_ci_mlp_only_where_the_step_is_lowered_for_cpu():
     assert group_matmul not in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
+def test_ci_mlp_init_he_into_gelu_and_unit_gain_at_the_linear_output():
+    from pdecomp.ci import ComponentwiseMLP, SharedMLP
+
+    H = 16
+    per_comp = ComponentwiseMLP.init(jax.random.PRNGKey(0), 4000, 1, [H, H], on_inner_acts=True)
+    shared = SharedMLP.init(jax.random.PRNGKey(1), 4000, 64, [H])
+    expected = [(per_comp.weights, [np.sqrt(2.0), np.sqrt(2.0 / H), np.sqrt(1.0 / H)]),
+                (shared.weights, [np.sqrt(2.0 / 64), np.sqrt(1.0 / H)])]
+    for weights, stds in expected:
+        for w, std in zip(weights, stds, strict=True):
+            assert float(jnp.std(w)) == pytest.approx(std, rel=0.03)
+
+
 def test_tied_follower_is_the_leaders_transpose_and_trains_it():
     from pdecomp.components import with_tied
 
