@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
+from pdecomp import threefry
 from pdecomp.components import SiteMask
 
 Plan = tuple[tuple[str, ...], ...]
@@ -36,9 +37,9 @@ def sample_source(key: PRNGKeyArray, kind: str, shape: tuple[int, ...]
                   ) -> Float[Array, "*pos C1"]:
     """Source values per channel (the last channel is the delta channel)."""
     if kind == "continuous":
-        return jax.random.uniform(key, shape, jnp.float32)
+        return threefry.uniform(key, shape)
     if kind == "binomial":
-        return jax.random.bernoulli(key, 0.5, shape).astype(jnp.float32)
+        return threefry.bernoulli(key, 0.5, shape).astype(jnp.float32)
     if kind == "ci":  # deterministic: mask = ci_lower, delta channel off
         return jnp.zeros(shape, jnp.float32)
     raise ValueError(f"unknown source {kind!r}")
@@ -56,7 +57,7 @@ def sample_routing(key: PRNGKeyArray, kind: str, live: Sequence[str], pos: tuple
     k_key, perm_key = jax.random.split(key)
     k = jax.random.randint(k_key, pos, 1, n + 1)
     # A random rank per site (argsort of uniforms) picks a uniform subset of size k.
-    ranks = jnp.argsort(jnp.argsort(jax.random.uniform(perm_key, (*pos, n)), axis=-1), axis=-1)
+    ranks = jnp.argsort(jnp.argsort(threefry.uniform(perm_key, (*pos, n)), axis=-1), axis=-1)
     routed = ranks < k[..., None]
     return {s: routed[..., i] for i, s in enumerate(live)}
 

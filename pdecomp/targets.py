@@ -22,7 +22,7 @@ import numpy as np
 import optax
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from pdecomp import data, llama, losses
+from pdecomp import data, llama, losses, threefry
 from pdecomp.components import LinearFn, frozen_linear
 from pdecomp.config import ModelConfig, site_names_of
 
@@ -104,9 +104,9 @@ def sample_inputs(key: PRNGKeyArray, cfg: ModelConfig, batch_size: int
                   ) -> Float[Array, "batch n"]:
     """Sparse features: each active with probability p; value U[0,1] (TMS) or U[-1,1] (resid)."""
     k_on, k_val = jax.random.split(key)
-    on = jax.random.bernoulli(k_on, cfg.feature_prob, (batch_size, cfg.n_features))
+    on = threefry.bernoulli(k_on, cfg.feature_prob, (batch_size, cfg.n_features))
     lo = 0.0 if cfg.kind == "tms" else -1.0
-    val = jax.random.uniform(k_val, (batch_size, cfg.n_features), jnp.float32, lo, 1.0)
+    val = threefry.uniform(k_val, (batch_size, cfg.n_features), lo, 1.0)
     return jnp.where(on, val, 0.0)
 
 

@@ -44,6 +44,25 @@ def test_ci_upper_forward_and_plain_gradient():
     np.testing.assert_allclose(grad, [0.0, 0.0, 1.0, 1.0, ALPHA, ALPHA], rtol=1e-6)
 
 
+@pytest.mark.parametrize("shape", [(7, 5), (4096, 21), (3, 4, 5)])
+def test_fused_threefry_draws_are_jax_randoms_bits(shape):
+    from pdecomp import threefry
+
+    for key in (jax.random.PRNGKey(3), jax.random.key(4)):
+        np.testing.assert_array_equal(threefry.uniform(key, shape), jax.random.uniform(key, shape))
+        np.testing.assert_array_equal(threefry.uniform(key, shape, -1.0, 1.0),
+                                      jax.random.uniform(key, shape, jnp.float32, -1.0, 1.0))
+        np.testing.assert_array_equal(threefry.bernoulli(key, 0.05, shape),
+                                      jax.random.bernoulli(key, 0.05, shape))
+    # and they are the straight-line hash, not jax's rolled CPU loop
+    def cpu_program(draw):
+        traced = jax.jit(lambda k: draw(k, shape)).trace(jax.random.PRNGKey(0))
+        return traced.lower(lowering_platforms=("cpu",)).as_text()
+
+    assert "while" not in cpu_program(threefry.uniform)
+    assert "while" in cpu_program(jax.random.uniform)
+
+
 def test_mask_interpolates_and_delta_mask_is_raw_source():
     ci = {"a": jnp.array([[0.0, 0.5, 1.0]])}
     src = {"a": jnp.array([[0.2, 0.4, 0.6, 0.7]])}
