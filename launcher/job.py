@@ -108,7 +108,7 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
         cluster.say(ranks, f"job {os.environ['SLURM_JOB_ID']} on {os.uname().nodename}, "
                            f"node {ranks.node}/{ranks.num_nodes}")
     try:  # checks that need the job's devices, before anything is written
-        preflight(cfg)
+        preflight(cfg, run_dir)
     except ConfigError as e:
         print(e, file=sys.stderr)
         if rank0:

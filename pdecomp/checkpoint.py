@@ -6,6 +6,7 @@ killed job never leaves a partial checkpoint that `latest_step` would pick up.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import equinox as eqx
@@ -43,9 +44,38 @@ class Checkpointer:
             step, args=ocp.args.StandardRestore(jax.tree.map(abstract, arrays)))
         return eqx.combine(restored, static)
 
+    def mismatch(self, state_like: eqx.Module, step: int) -> str | None:
+        """Where the checkpoint at `step` differs from `state_like` in its arrays' names,
+        shapes or dtypes (one line), or None when it fits."""
+        manager = ocp.CheckpointManager(self.directory,
+                                        item_handlers=ocp.StandardCheckpointHandler())
+        try:
+            saved = _by_name(manager.item_metadata(step))
+        finally:
+            manager.close()
+        wanted = _by_name(eqx.filter(state_like, is_array_like))
+        for name in sorted(saved.keys() | wanted.keys()):
+            there, here = saved.get(name), wanted.get(name)
+            if there != here:
+                def show(x):
+                    return "absent" if x is None else f"{x[1]}{list(x[0])}"
+                return f"{name} is {show(there)} in the checkpoint, {show(here)} in this run"
+        return None
+
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _by_name(tree) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Array leaves by a dotted name that orbax's metadata and the live pytree share."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if leaf is None:
+            continue
+        name = ".".join(re.findall(r"\w+", jax.tree_util.keystr(path)))
+        out[name] = (tuple(leaf.shape), str(leaf.dtype))
+    return out

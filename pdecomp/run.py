@@ -127,9 +127,10 @@ def target_name(cfg: RunConfig, mesh: Mesh) -> str:
     return f"{where} {device.device_kind} x {mesh.size} ({hosts} host{'s' * (hosts > 1)})"
 
 
-def preflight(cfg: RunConfig) -> None:
+def preflight(cfg: RunConfig, run_dir: str | Path | None = None) -> None:
     """The checks that need this job's devices or files; raises ConfigError before anything
-    is made."""
+    is made. With `run_dir`: a checkpoint there, which the run would resume, must fit the
+    state this config builds."""
     validate(cfg, n_devices=None if sharding.is_deviceless(cfg) else len(jax.devices()))
     sharding.check_target(cfg)
     if not sharding.is_deviceless(cfg):
@@ -142,6 +143,28 @@ def preflight(cfg: RunConfig) -> None:
                 raise ConfigError("model.path", cfg.model.path, str(e)) from None
         if not cfg.gate.only:  # the gate needs shapes only, not the data
             token_stream(cfg)
+    if run_dir is not None and not cfg.gate.only:
+        check_resumable(cfg, Path(run_dir))
+
+
+def check_resumable(cfg: RunConfig, run_dir: Path) -> None:
+    """A run directory's latest checkpoint has the arrays this config trains, or it is an
+    error naming the first that differs (a changed layers.C, layers.sites, model, ...)."""
+    ckpt_dir = run_dir / "checkpoints"
+    if not ckpt_dir.is_dir():
+        return
+    ckpt = Checkpointer(ckpt_dir)
+    step = ckpt.latest_step()
+    key = jax.random.PRNGKey(cfg.seed)
+    target_abs = jax.eval_shape(
+        lambda k: targets.init_target(k, cfg.model, jnp.dtype(cfg.memory.target_dtype)), key)
+    state_abs = jax.eval_shape(lambda k, t: init_state(k, cfg, t), key, target_abs)
+    why = ckpt.mismatch(state_abs, step) if step is not None else None
+    ckpt.close()
+    if why:
+        raise ConfigError("hydra.run.dir", str(run_dir),
+                          f"it holds a checkpoint (step {step}) of another run's state: {why}; "
+                          "resume with that run's settings or choose a new directory")
 
 
 @functools.lru_cache(maxsize=4)
@@ -243,8 +266,8 @@ def load_target(cfg: RunConfig, target_abs: Any, log: Callable[[str], None]
 def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -> dict[str, Any]:
     """Run (or resume) the decomposition described by `cfg`; return the summary dict."""
     hooks = hooks or Hooks()
-    preflight(cfg)
     run_dir = Path(run_dir)
+    preflight(cfg, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
 
     # Mesh and shardings: the batch split on the data axis; target and state split on it too

@@ -146,6 +146,28 @@ def test_rerun_same_dir_resumes_from_checkpoint(full_run, env: dict[str, str],
     assert (run_dir / "wandb_id.txt").read_text() == (src / "wandb_id.txt").read_text()
 
 
+def test_rerun_with_other_state_shapes_exits_2_and_keeps_the_run(
+        full_run, env: dict[str, str], tmp_path: Path) -> None:
+    src, proc = full_run
+    ok(proc)
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(src, run_dir)
+    def files():  # .hydra/ is Hydra's record of the latest command, rewritten by any run
+        return {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*")
+                if p.is_file() and ".hydra" not in p.parts}
+
+    before = files()
+    other_c = [o for o in ALL_GROUPS if not o.startswith("layers.C=")] + ["layers.C=13"]
+    proc2 = pdecomp([*TINY, *other_c, f"hydra.run.dir={run_dir}"], tmp_path, env)
+    assert proc2.returncode == 2, proc2.stderr
+    line = proc2.stderr.strip()
+    assert "\n" not in line and "hydra.run.dir" in line and "step 40" in line, line
+    assert "[12" in line and "[13" in line, line  # the first array whose shape differs
+    after = files()
+    assert after.keys() == before.keys(), after.keys() ^ before.keys()
+    assert [p for p in after if after[p] != before[p]] == []
+
+
 def test_gate_only_writes_report_and_no_summary(env: dict[str, str], tmp_path: Path) -> None:
     run_dir = tmp_path / "gate_only"
     proc = ok(pdecomp([*TINY, "gate.only=true", f"hydra.run.dir={run_dir}"], tmp_path, env))
