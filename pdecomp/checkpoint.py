@@ -45,12 +45,17 @@ class Checkpointer:
         return eqx.combine(restored, static)
 
     def mismatch(self, state_like: eqx.Module, step: int) -> str | None:
-        """Where the checkpoint at `step` differs from `state_like` in its arrays' names,
-        shapes or dtypes (one line), or None when it fits."""
+        """Why the checkpoint at `step` cannot be restored into `state_like` (unreadable, or
+        other array names, shapes or dtypes), in one line; None when it fits."""
         manager = ocp.CheckpointManager(self.directory,
                                         item_handlers=ocp.StandardCheckpointHandler())
         try:
             saved = _by_name(manager.item_metadata(step))
+        except Exception as e:  # noqa: BLE001 - whatever orbax raises on a damaged step
+            earlier = [s for s in manager.all_steps() if s < step]
+            where = f"resume from step {max(earlier)}" if earlier else "start over"
+            return (f"cannot be read ({type(e).__name__}); move {self.directory / str(step)} "
+                    f"aside to {where}")
         finally:
             manager.close()
         wanted = _by_name(eqx.filter(state_like, is_array_like))
@@ -59,7 +64,9 @@ class Checkpointer:
             if there != here:
                 def show(x):
                     return "absent" if x is None else f"{x[1]}{list(x[0])}"
-                return f"{name} is {show(there)} in the checkpoint, {show(here)} in this run"
+                return (f"holds another run's state: {name} is {show(there)} there, "
+                        f"{show(here)} in this run; resume with that run's settings or choose "
+                        "a new directory")
         return None
 
     def wait(self) -> None:

@@ -162,9 +162,7 @@ def check_resumable(cfg: RunConfig, run_dir: Path) -> None:
     why = ckpt.mismatch(state_abs, step) if step is not None else None
     ckpt.close()
     if why:
-        raise ConfigError("hydra.run.dir", str(run_dir),
-                          f"it holds a checkpoint (step {step}) of another run's state: {why}; "
-                          "resume with that run's settings or choose a new directory")
+        raise ConfigError("hydra.run.dir", str(run_dir), f"its checkpoint at step {step} {why}")
 
 
 @functools.lru_cache(maxsize=4)

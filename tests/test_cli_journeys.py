@@ -167,6 +167,12 @@ def test_rerun_with_other_state_shapes_exits_2_and_keeps_the_run(
     assert after.keys() == before.keys(), after.keys() ^ before.keys()
     assert [p for p in after if after[p] != before[p]] == []
 
+    # a damaged latest checkpoint: the same, pointing at the one before it
+    (run_dir / "checkpoints" / "40" / "default" / "_METADATA").write_text("not json")
+    proc3 = pdecomp([*TINY, *ALL_GROUPS, f"hydra.run.dir={run_dir}"], tmp_path, env)
+    assert proc3.returncode == 2, proc3.stderr
+    assert "cannot be read" in proc3.stderr and "resume from step 20" in proc3.stderr
+
 
 def test_gate_only_writes_report_and_no_summary(env: dict[str, str], tmp_path: Path) -> None:
     run_dir = tmp_path / "gate_only"
