@@ -49,11 +49,13 @@ def _bits(key: PRNGKeyArray, shape: tuple[int, ...]) -> Array:
 def _fused(key: PRNGKeyArray, shape: tuple[int, ...]) -> bool:
     # Past 2^32 elements the index needs a second word; another PRNG (rbg) or jax's older
     # counter layout would give other values: all go to jax.random.
-    if math.prod(shape) >= 2**32 or not jax.config.jax_threefry_partitionable:
+    # (getattr: a jax where the layout is no longer optional may drop the flag)
+    if math.prod(shape) >= 2**32 or not getattr(jax.config, "jax_threefry_partitionable", True):
         return False
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         return str(jax.random.key_impl(key)) == "threefry2x32"
-    return key.shape == (2,) and jax.config.jax_default_prng_impl == "threefry2x32"
+    return key.shape == (2,) and getattr(jax.config, "jax_default_prng_impl",
+                                         "threefry2x32") == "threefry2x32"
 
 
 def uniform(key: PRNGKeyArray, shape: tuple[int, ...], minval: float = 0.0,
