@@ -208,8 +208,9 @@ def print_findings(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> No
     table = Table(title=f"{cfg.name}: what SPD found")
     cols = ("site", "C", "live", "L0") + (() if lm else ("1-hot live", "MMCS", "ML2R",
                                                        "one-to-one"))
-    for col in cols:
-        table.add_column(col)
+    for col in cols:  # site names whole, never cut to "layers.0.mlp_…" on a narrow console
+        table.add_column(col, no_wrap=col == "site",
+                         min_width=max(map(len, site_C(cfg))) if col == "site" else None)
     for site, C in site_C(cfg).items():
         def fmt(key: str, spec: str = ".3f", site: str = site) -> str:
             v = summary.get(f"{key}/{site}")
