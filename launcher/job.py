@@ -136,15 +136,16 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
     # A log file (SLURM, nohup) gets no live bar: it gets a plain line every 5% of the steps
     # or every minute, whichever comes first.
     plain_lines = not progress.disable and not console.is_terminal
-    last_line = [time.monotonic()]
+    last_line = time.monotonic()
 
     def on_progress(done: int, total: int, last: dict[str, float]) -> None:
+        nonlocal last_line
         info = f"loss {last['loss/total']:.3g}" if "loss/total" in last else ""
         progress.update(task, completed=done, info=info)
         now = time.monotonic()
         if plain_lines and (done == total or done % max(total // 20, 1) == 0
-                            or now - last_line[0] >= 60):
-            last_line[0] = now
+                            or now - last_line >= 60):
+            last_line = now
             rate = f", {1 / last['perf/step_s']:.3g} steps/s" if "perf/step_s" in last else ""
             console.print(f"{cfg.name}: step {done}/{total}{', ' + info if info else ''}{rate}",
                           highlight=False)
@@ -206,12 +207,13 @@ def print_findings(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> No
 
     lm = cfg.model.kind == "llama"
     table = Table(title=f"{cfg.name}: what SPD found")
-    cols = ("site", "C", "live", "L0") + (() if lm else ("1-hot live", "MMCS", "ML2R",
-                                                       "one-to-one"))
-    for col in cols:  # site names whole, never cut to "layers.0.mlp_…" on a narrow console
-        table.add_column(col, no_wrap=col == "site",
-                         min_width=max(map(len, site_C(cfg))) if col == "site" else None)
-    for site, C in site_C(cfg).items():
+    sites = site_C(cfg)
+    # site names whole, never cut to "layers.0.mlp_…" on a narrow console
+    table.add_column("site", no_wrap=True, min_width=max(map(len, sites)))
+    for col in ("C", "live", "L0") + (() if lm else ("1-hot live", "MMCS", "ML2R",
+                                                      "one-to-one")):
+        table.add_column(col)
+    for site, C in sites.items():
         def fmt(key: str, spec: str = ".3f", site: str = site) -> str:
             v = summary.get(f"{key}/{site}")
             return "-" if v is None else format(v, spec)

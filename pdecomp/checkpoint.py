@@ -23,7 +23,8 @@ class Checkpointer:
         self.directory = Path(directory).absolute()
         self.manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
-                                                                 create=True))
+                                                                 create=True),
+            item_handlers=ocp.StandardCheckpointHandler())  # so item_metadata can read steps
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -47,17 +48,13 @@ class Checkpointer:
     def mismatch(self, state_like: eqx.Module, step: int) -> str | None:
         """Why the checkpoint at `step` cannot be restored into `state_like` (unreadable, or
         other array names, shapes or dtypes), in one line; None when it fits."""
-        manager = ocp.CheckpointManager(self.directory,
-                                        item_handlers=ocp.StandardCheckpointHandler())
         try:
-            saved = _by_name(manager.item_metadata(step))
+            saved = _by_name(self.manager.item_metadata(step))
         except Exception as e:  # noqa: BLE001 - whatever orbax raises on a damaged step
-            earlier = [s for s in manager.all_steps() if s < step]
+            earlier = [s for s in self.manager.all_steps() if s < step]
             where = f"resume from step {max(earlier)}" if earlier else "start over"
             return (f"cannot be read ({type(e).__name__}); move {self.directory / str(step)} "
                     f"aside to {where}")
-        finally:
-            manager.close()
         wanted = _by_name(eqx.filter(state_like, is_array_like))
         for name in sorted(saved.keys() | wanted.keys()):
             there, here = saved.get(name), wanted.get(name)

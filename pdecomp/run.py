@@ -155,14 +155,18 @@ def check_resumable(cfg: RunConfig, run_dir: Path) -> None:
         return
     ckpt = Checkpointer(ckpt_dir)
     step = ckpt.latest_step()
-    key = jax.random.PRNGKey(cfg.seed)
-    target_abs = jax.eval_shape(
-        lambda k: targets.init_target(k, cfg.model, jnp.dtype(cfg.memory.target_dtype)), key)
-    state_abs = jax.eval_shape(lambda k, t: init_state(k, cfg, t), key, target_abs)
-    why = ckpt.mismatch(state_abs, step) if step is not None else None
+    why = (ckpt.mismatch(abstract_run(cfg, jax.random.PRNGKey(cfg.seed))[1], step)
+           if step is not None else None)
     ckpt.close()
     if why:
         raise ConfigError("hydra.run.dir", str(run_dir), f"its checkpoint at step {step} {why}")
+
+
+def abstract_run(cfg: RunConfig, key: Array) -> tuple[Any, TrainState]:
+    """The target and the training state as shapes: nothing allocated, nothing trained."""
+    target_abs = jax.eval_shape(
+        lambda k: targets.init_target(k, cfg.model, jnp.dtype(cfg.memory.target_dtype)), key)
+    return target_abs, jax.eval_shape(lambda k, t: init_state(k, cfg, t), key, target_abs)
 
 
 @functools.lru_cache(maxsize=4)
@@ -274,12 +278,8 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
     shard = cfg.mesh.shard_state
     init_key, data_key = jax.random.split(jax.random.PRNGKey(cfg.seed))
 
-    # Abstract target and state: shapes and shardings, nothing allocated, nothing trained.
-    target_dtype = jnp.dtype(cfg.memory.target_dtype)
-    target_abs = sharding.place(jax.eval_shape(
-        lambda k: targets.init_target(k, cfg.model, target_dtype), init_key), mesh, shard)
-    state_abs = sharding.place(
-        jax.eval_shape(lambda k, t: init_state(k, cfg, t), init_key, target_abs), mesh, shard)
+    # Abstract target and state, with their shardings.
+    target_abs, state_abs = (sharding.place(t, mesh, shard) for t in abstract_run(cfg, init_key))
     batch_sharding = NamedSharding(mesh, P(sharding.AXIS))
 
     # The gate: compile the very step training runs, read its memory, compare to the cap.

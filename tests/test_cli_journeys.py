@@ -7,6 +7,7 @@ target trains once; wandb runs offline and keeps its files inside each run direc
 
 from __future__ import annotations
 
+import dataclasses as dc
 import json
 import shutil
 import subprocess
@@ -79,6 +80,27 @@ def test_cfg_job_prints_composed_config(env: dict[str, str], tmp_path: Path) -> 
     assert cfg["layers"]["C"] == 7 and cfg["mesh"]["name"] == "single"
     assert cfg["model"]["name"] == "tms_5-2"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_findings_table_keeps_site_names_whole_on_a_narrow_console(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from rich.console import Console
+
+    from launcher import job
+    from pdecomp.config import ModelConfig, RunConfig
+
+    base = RunConfig()
+    sites = ["layers.0.mlp_in", "layers.0.mlp_out"]
+    cfg = dc.replace(base, model=ModelConfig(kind="resid_mlp", name="resid_mlp1"),
+                     layers=dc.replace(base.layers, sites=sites, C=100, tie=False))
+    out = io.StringIO()
+    monkeypatch.setattr(job, "console", Console(file=out, width=80))  # a log file's width
+    summary = {f"{k}/{s}": v for s in sites for k, v in (("live", 100), ("l0", 0.94))}
+    job.print_findings(cfg, {**summary, "one_to_one/layers.0.mlp_in": 100}, tmp_path)
+    for site in sites:
+        assert f" {site} " in out.getvalue(), out.getvalue()
 
 
 # --- one run ---------------------------------------------------------------------------
