@@ -1,17 +1,31 @@
 """Save and restore the whole TrainState with orbax.
 
 Orbax writes each step to a temporary directory and renames it when complete, so a
-killed job never leaves a partial checkpoint that `latest_step` would pick up.
+killed job never leaves a partial checkpoint that `latest_step` would pick up. A complete
+checkpoint can still be damaged afterwards (a disk or copy fault): `restore_latest` moves
+such a step aside and resumes from the one before it.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
+import sys
+import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import equinox as eqx
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+UNREADABLE = ".unreadable"  # suffix of a step directory moved aside; orbax ignores it
+
+
+class UnreadableCheckpoint(Exception):
+    """A step whose metadata cannot be read."""
 
 
 def is_array_like(x) -> bool:
@@ -45,16 +59,54 @@ class Checkpointer:
             step, args=ocp.args.StandardRestore(jax.tree.map(abstract, arrays)))
         return eqx.combine(restored, static)
 
+    def restore_latest(self, state_like: eqx.Module, log: Callable[[str], None]
+                       ) -> tuple[eqx.Module | None, int | None]:
+        """The newest checkpoint that can be read, restored into `state_like`, and its step;
+        (None, None) when there is none.
+
+        A step that cannot be read is moved aside to `<step>.unreadable` (kept, and out of
+        the way of the step being saved again) and the one before it is tried, so a damaged
+        checkpoint costs the steps since the previous one and needs no one at the console
+        (a requeued job). Every process of a job takes the same decision.
+        """
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                state, why = self.restore(state_like, step), None
+            except MemoryError:
+                raise
+            except Exception as e:  # noqa: BLE001 - whatever orbax raises on damaged files
+                first = re.split(r"(?<=\.)\s", str(e).strip(), maxsplit=1)[0]
+                state, why = None, f"{type(e).__name__}: {textwrap.shorten(first, 160)}"
+                _quiet_abandoned_reads()
+            failed = np.asarray(why is not None)
+            if jax.process_count() > 1:
+                failed = multihost_utils.process_allgather(failed)
+            if not failed.any():
+                return state, step
+            aside = self.directory / f"{step}{UNREADABLE}"
+            n = 1
+            while aside.exists():  # an earlier fault's copy of the same step
+                n += 1
+                aside = self.directory / f"{step}{UNREADABLE}.{n}"
+            if jax.process_index() == 0:
+                (self.directory / str(step)).rename(aside)
+            if jax.process_count() > 1:
+                multihost_utils.sync_global_devices(f"pdecomp checkpoint {step} aside")
+            self.manager.reload()
+            log(f"checkpoint at step {step} cannot be read ({why or 'on another process'});"
+                f" moved to {aside}")
+            if not self.manager.all_steps():
+                log("no checkpoint can be read: training starts from step 0")
+        return None, None
+
     def mismatch(self, state_like: eqx.Module, step: int) -> str | None:
-        """Why the checkpoint at `step` cannot be restored into `state_like` (unreadable, or
-        other array names, shapes or dtypes), in one line; None when it fits."""
+        """Why the checkpoint at `step` holds another run's state (other array names,
+        shapes or dtypes), in one line; None when it fits. Raises UnreadableCheckpoint when
+        its metadata cannot be read."""
         try:
             saved = _by_name(self.manager.item_metadata(step))
         except Exception as e:  # noqa: BLE001 - whatever orbax raises on a damaged step
-            earlier = [s for s in self.manager.all_steps() if s < step]
-            where = f"resume from step {max(earlier)}" if earlier else "start over"
-            return (f"cannot be read ({type(e).__name__}); move {self.directory / str(step)} "
-                    f"aside to {where}")
+            raise UnreadableCheckpoint(f"{type(e).__name__}: {e}") from None
         wanted = _by_name(eqx.filter(state_like, is_array_like))
         for name in sorted(saved.keys() | wanted.keys()):
             there, here = saved.get(name), wanted.get(name)
@@ -72,6 +124,25 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _quiet_abandoned_reads() -> None:
+    """After a failed read orbax abandons the step's other reads. Each fails again later,
+    when its coroutine is collected or when it completes into the closed event loop, and
+    most print a traceback through `sys.unraisablehook` as they do: from now on in this
+    process those are dropped (tensorstore prints some itself)."""
+    hook = sys.unraisablehook
+    if getattr(hook, "quiets_abandoned_reads", False):
+        return
+
+    def quiet(unraisable) -> None:
+        late = isinstance(unraisable.exc_value, RuntimeError) and \
+            "Event loop is closed" in str(unraisable.exc_value)
+        if not (late or inspect.iscoroutine(unraisable.object)):
+            hook(unraisable)
+
+    quiet.quiets_abandoned_reads = True
+    sys.unraisablehook = quiet
 
 
 def _by_name(tree) -> dict[str, tuple[tuple[int, ...], str]]:

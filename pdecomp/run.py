@@ -26,7 +26,7 @@ from jaxtyping import Array
 
 from pdecomp import data, hardware, llama, metrics, plots, sharding, targets
 from pdecomp import gate as gate_lib
-from pdecomp.checkpoint import Checkpointer
+from pdecomp.checkpoint import Checkpointer, UnreadableCheckpoint
 from pdecomp.components import with_tied
 from pdecomp.config import ConfigError, RunConfig, tied_sites, validate
 from pdecomp.train import TrainState, faithfulness_warmup, init_state, make_train_step
@@ -154,9 +154,16 @@ def check_resumable(cfg: RunConfig, run_dir: Path) -> None:
     if not ckpt_dir.is_dir():
         return
     ckpt = Checkpointer(ckpt_dir)
-    step = ckpt.latest_step()
-    why = (ckpt.mismatch(abstract_run(cfg, jax.random.PRNGKey(cfg.seed))[1], step)
-           if step is not None else None)
+    state_abs = abstract_run(cfg, jax.random.PRNGKey(cfg.seed))[1]
+    why = None
+    # The newest readable step is the one the run resumes from (restore_latest moves
+    # unreadable ones aside).
+    for step in sorted(ckpt.manager.all_steps(), reverse=True):
+        try:
+            why = ckpt.mismatch(state_abs, step)
+            break
+        except UnreadableCheckpoint:
+            continue
     ckpt.close()
     if why:
         raise ConfigError("hydra.run.dir", str(run_dir), f"its checkpoint at step {step} {why}")
@@ -328,11 +335,10 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
     target, target_meta = load_target(cfg, target_abs, hooks.log)
     sample = batch_sampler(cfg, batch_sharding, data_key)
 
-    # State: resume from the latest complete checkpoint, or initialise fresh.
+    # State: resume from the latest readable checkpoint, or initialise fresh.
     ckpt = Checkpointer(run_dir / "checkpoints")
-    start = ckpt.latest_step()
+    state, start = ckpt.restore_latest(state_abs, hooks.log)
     if start is not None:
-        state = ckpt.restore(state_abs, start)
         hooks.log(f"resumed from checkpoint at step {start}")
     else:
         # The target goes in as an argument: closed over, it would be copied into the
