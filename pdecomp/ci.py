@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 
 import equinox as eqx
@@ -86,7 +87,7 @@ class ComponentwiseMLP(eqx.Module):
     def init(key: PRNGKeyArray, C: int, d_in: int, hidden: list[int],
              on_inner_acts: bool) -> ComponentwiseMLP:
         dims = [1 if on_inner_acts else d_in, *hidden, 1]
-        ws = _init_layers(key, [(C, a, b) for a, b in zip(dims[:-1], dims[1:])])
+        ws = _init_layers(key, [(C, a, b) for a, b in itertools.pairwise(dims)])
         bs = [jnp.zeros((C, b), jnp.float32) for b in dims[1:]]
         return ComponentwiseMLP(ws, bs, on_inner_acts)
 
@@ -150,7 +151,7 @@ class SharedMLP(eqx.Module):
     @staticmethod
     def init(key: PRNGKeyArray, C: int, d_in: int, hidden: list[int]) -> SharedMLP:
         dims = [d_in, *hidden, C]
-        ws = _init_layers(key, [(a, b) for a, b in zip(dims[:-1], dims[1:])])
+        ws = _init_layers(key, [(a, b) for a, b in itertools.pairwise(dims)])
         return SharedMLP(ws, [jnp.zeros((b,), jnp.float32) for b in dims[1:]])
 
     def __call__(self, x: Float[Array, "*pos d_in"], V: Array) -> Float[Array, "*pos C"]:

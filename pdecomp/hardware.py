@@ -28,7 +28,6 @@ import jax
 from jax.experimental import topologies
 from jax.sharding import Mesh
 
-
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc mallopt params
 
 

@@ -71,7 +71,8 @@ def fresh_pgd_masks(distance: Callable[[dict[str, SiteMask]], Array],
 
 def lm_mask_metrics(target, components: Components, ci_fn, batches: Sequence[Array],
                     key: Array, threshold: float, delta: bool, dtype,
-                    pgd: EvalPGDConfig = EvalPGDConfig()) -> dict[str, float | None]:
+                    pgd: EvalPGDConfig = EvalPGDConfig()  # noqa: B008 - frozen
+                    ) -> dict[str, float | None]:
     """CE of the target, and CE and KL (to the target) of the forward with every site
     masked by each of MASK_KINDS, and by a fresh adversary (`pgd`, kind "pgd", when it has
     steps), mean over the batches; ce_unrecovered per kind = (CE_masked − CE_target) /

@@ -26,8 +26,14 @@ from jaxtyping import Array, PRNGKeyArray
 
 from pdecomp import losses
 from pdecomp.ci import CIFunction, ci_lower, ci_upper
-from pdecomp.components import (Components, fold_tied, masked_linear, recording_linear,
-                                weight_deltas, with_tied)
+from pdecomp.components import (
+    Components,
+    fold_tied,
+    masked_linear,
+    recording_linear,
+    weight_deltas,
+    with_tied,
+)
 from pdecomp.config import OptGroupConfig, PGDConfig, RunConfig, site_C, tied_sites
 from pdecomp.masks import Plan, make_plan, masks_from_sources, sample_forward_masks
 

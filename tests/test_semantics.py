@@ -12,8 +12,14 @@ import pytest
 
 from pdecomp import losses
 from pdecomp.ci import ALPHA, ci_lower, ci_upper
-from pdecomp.components import (Components, SiteComponents, SiteMask, frozen_linear,
-                                masked_linear, weight_deltas)
+from pdecomp.components import (
+    Components,
+    SiteComponents,
+    SiteMask,
+    frozen_linear,
+    masked_linear,
+    weight_deltas,
+)
 from pdecomp.config import ModelConfig, RunConfig
 from pdecomp.masks import make_plan, masks_from_sources, sample_routing, sample_source
 from pdecomp.targets import TMS, init_target
