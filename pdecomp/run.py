@@ -148,16 +148,15 @@ def preflight(cfg: RunConfig, run_dir: str | Path | None = None) -> None:
 
 
 def check_resumable(cfg: RunConfig, run_dir: Path) -> None:
-    """A run directory's latest checkpoint has the arrays this config trains, or it is an
-    error naming the first that differs (a changed layers.C, layers.sites, model, ...)."""
+    """A run directory's newest readable checkpoint (the one the run resumes from) has the
+    arrays this config trains, or it is an error naming the first that differs (a changed
+    layers.C, layers.sites, model, ...)."""
     ckpt_dir = run_dir / "checkpoints"
     if not ckpt_dir.is_dir():
         return
     ckpt = Checkpointer(ckpt_dir)
     state_abs = abstract_run(cfg, jax.random.PRNGKey(cfg.seed))[1]
     why = None
-    # The newest readable step is the one the run resumes from (restore_latest moves
-    # unreadable ones aside).
     for step in sorted(ckpt.manager.all_steps(), reverse=True):
         try:
             why = ckpt.mismatch(state_abs, step)

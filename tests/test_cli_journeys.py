@@ -56,6 +56,15 @@ def full_run(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
     return run_dir, proc
 
 
+def copy_of(full_run: tuple[Path, subprocess.CompletedProcess[str]], run_dir: Path) -> Path:
+    """The finished shared run, copied to `run_dir` (the shared one stays untouched for the
+    other journeys)."""
+    src, proc = full_run
+    ok(proc)
+    shutil.copytree(src, run_dir)
+    return run_dir
+
+
 # --- no run ----------------------------------------------------------------------------
 
 
@@ -152,10 +161,8 @@ def test_run_with_overrides_in_every_group(full_run) -> None:
 
 def test_rerun_same_dir_resumes_from_checkpoint(full_run, env: dict[str, str],
                                                 tmp_path: Path) -> None:
-    src, proc = full_run
-    ok(proc)
-    run_dir = tmp_path / "resumed"
-    shutil.copytree(src, run_dir)  # leave the shared run untouched for the other journeys
+    src = full_run[0]
+    run_dir = copy_of(full_run, tmp_path / "resumed")
     more = [o for o in TINY if not o.startswith("optim.steps=")] + ["optim.steps=60"]
     proc2 = ok(pdecomp([*more, *ALL_GROUPS, f"hydra.run.dir={run_dir}"], tmp_path, env))
     assert "resumed from checkpoint" in proc2.stdout + proc2.stderr
@@ -171,10 +178,8 @@ def test_rerun_same_dir_resumes_from_checkpoint(full_run, env: dict[str, str],
 
 def test_rerun_with_other_state_shapes_exits_2_and_keeps_the_run(
         full_run, env: dict[str, str], tmp_path: Path) -> None:
-    src, proc = full_run
-    ok(proc)
-    run_dir = tmp_path / "resumed"
-    shutil.copytree(src, run_dir)
+    run_dir = copy_of(full_run, tmp_path / "resumed")
+
     def files():  # .hydra/ is Hydra's record of the latest command, rewritten by any run
         return {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*")
                 if p.is_file() and ".hydra" not in p.parts}
@@ -191,13 +196,9 @@ def test_rerun_with_other_state_shapes_exits_2_and_keeps_the_run(
     assert [p for p in after if after[p] != before[p]] == []
 
 
-
 def test_a_damaged_checkpoint_is_set_aside_and_the_run_resumes_from_the_one_before(
         full_run, env: dict[str, str], tmp_path: Path) -> None:
-    src, proc = full_run
-    ok(proc)
-    run_dir = tmp_path / "damaged"
-    shutil.copytree(src, run_dir)
+    run_dir = copy_of(full_run, tmp_path / "damaged")
     ckpts = run_dir / "checkpoints"
 
     def resume() -> str:
