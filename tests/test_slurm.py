@@ -111,10 +111,20 @@ def final_state(run_dir: Path) -> dict[str, np.ndarray]:
             for k, v in jax.tree_util.tree_leaves_with_path(restored)}
 
 
-def sacct(job: str, env: dict[str, str]) -> list[list[str]]:
-    out = subprocess.run(["sacct", "-n", "-P", "-j", job, "-o", "JobID,State,ExitCode"],
-                         env=env, capture_output=True, text=True, check=True, timeout=60)
-    return [line.split("|") for line in out.stdout.splitlines() if line]
+UNSETTLED = ("PENDING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED")
+
+
+def sacct(job: str, env: dict[str, str], seconds: float = 60) -> list[list[str]]:
+    """JobID, State, ExitCode of the job's records, once none is still unsettled: a job's
+    results can be read (and `pdecomp` return) a moment before slurmctld records its end."""
+    deadline = time.monotonic() + seconds
+    while True:
+        out = subprocess.run(["sacct", "-n", "-P", "-j", job, "-o", "JobID,State,ExitCode"],
+                             env=env, capture_output=True, text=True, check=True, timeout=60)
+        rows = [line.split("|") for line in out.stdout.splitlines() if line]
+        if not any(r[1].split()[0] in UNSETTLED for r in rows) or time.monotonic() > deadline:
+            return rows
+        time.sleep(1)
 
 
 def job_ids(sweep: Path) -> list[str]:
