@@ -55,8 +55,16 @@ class Checkpointer:
         def abstract(x):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
-        restored = self.manager.restore(
-            step, args=ocp.args.StandardRestore(jax.tree.map(abstract, arrays)))
+        # The item's handler reads the arrays; the manager's restore would add a barrier of
+        # every process after the read, which a process whose read failed never reaches
+        # (FSDP: each process reads only its own shards). restore_latest agrees instead.
+        handler = ocp.StandardCheckpointHandler()
+        try:
+            restored = handler.restore(
+                self.directory / str(step) / ocp.checkpoint_manager.DEFAULT_ITEM_NAME,
+                args=ocp.args.StandardRestore(jax.tree.map(abstract, arrays)))
+        finally:
+            handler.close()
         return eqx.combine(restored, static)
 
     def restore_latest(self, state_like: eqx.Module, log: Callable[[str], None]
@@ -78,11 +86,13 @@ class Checkpointer:
                 first = re.split(r"(?<=\.)\s", str(e).strip(), maxsplit=1)[0]
                 state, why = None, f"{type(e).__name__}: {textwrap.shorten(first, 160)}"
                 _quiet_abandoned_reads()
-            failed = np.asarray(why is not None)
+            failed = np.atleast_1d(why is not None)
             if jax.process_count() > 1:
-                failed = multihost_utils.process_allgather(failed)
+                failed = multihost_utils.process_allgather(failed).reshape(-1)
             if not failed.any():
                 return state, step
+            if why is None:
+                why = f"on process {', '.join(str(i) for i in np.flatnonzero(failed))}"
             aside = self.directory / f"{step}{UNREADABLE}"
             n = 1
             while aside.exists():  # an earlier fault's copy of the same step
@@ -93,7 +103,7 @@ class Checkpointer:
             if jax.process_count() > 1:
                 multihost_utils.sync_global_devices(f"pdecomp checkpoint {step} aside")
             self.manager.reload()
-            log(f"checkpoint at step {step} cannot be read ({why or 'on another process'});"
+            log(f"checkpoint at step {step} cannot be read ({why});"
                 f" moved to {aside}")
             if not self.manager.all_steps():
                 log("no checkpoint can be read: training starts from step 0")

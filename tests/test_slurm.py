@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import tensorstore as ts
 from conftest import PDECOMP, load_json, ok, pdecomp
 from jax.sharding import SingleDeviceSharding
 
@@ -205,6 +206,36 @@ def test_interrupted_job_requeues_and_ends_as_if_uninterrupted(
     assert got.keys() == want.keys()
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+def test_a_checkpoint_unreadable_on_one_process_is_set_aside_by_every_process(
+        cluster, reference: Path, tmp_path: Path) -> None:
+    """FSDP over two nodes: each process reads only its own shards, so damaged chunks of one
+    process's shards fail the read on that process alone. Both processes set the
+    step aside together and resume from the one before it; none waits for the other in a
+    barrier it never reaches."""
+    args = [*TWO_NODES, *RUN, "mesh.shard_state=true"]
+    proc, sweep, _ = submit(args, tmp_path, cluster)
+    ok(proc)
+    run_dir = sweep / "0"
+    # Overwrite the chunks of process 1's shards (index 1 on the split axis) with bytes
+    # that are no chunk; process 0 never reads them.
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{run_dir}/checkpoints/{STEPS}/"
+                                                      "default"}).result()
+    shards_of_1 = [k for k in kv.list().result() if re.search(rb"/1(\.0)*$", k)]
+    assert len(shards_of_1) > 10, shards_of_1
+    for key in shards_of_1:
+        kv.write(key, b"not a chunk").result()
+    proc, sweep, seconds = submit(args, tmp_path, cluster, timeout=420)
+    print(f"resumed past a step damaged on process 1: {seconds:.1f} s")
+    ok(proc)
+    log0 = next(t for name, t in rank_logs(sweep).items() if name.endswith("_0_log.err")
+                and "resumed from" in t)
+    assert f"checkpoint at step {STEPS} cannot be read (on process 1)" in log0, log0[-3000:]
+    assert f"resumed from checkpoint at step {STEPS - 200}" in log0, log0[-3000:]
+    assert (run_dir / "checkpoints" / f"{STEPS}.unreadable").is_dir()
+    assert_same_losses(run_dir, reference, rel=1e-4)
+    assert load_json(run_dir / "summary.json")["steps"] == STEPS
 
 
 def test_sweep_runs_as_a_job_array(cluster, reference: Path, tmp_path: Path) -> None:
