@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -156,13 +157,23 @@ def test_two_tasks_train_as_one_run(cluster, reference: Path, tmp_path: Path) ->
     check_two_process_run(proc, sweep, reference, hosts=1)
 
 
-def test_two_emulated_nodes_train_as_one_run(cluster, reference: Path, tmp_path: Path) -> None:
-    """Two nodes, with the state split across them (FSDP): the target, components and
-    optimizer state each live half on one process, half on the other."""
-    proc, sweep, seconds = submit([*TWO_NODES, *RUN, "mesh.shard_state=true"], tmp_path,
-                                  cluster)
+FSDP_TWO_NODES = [*TWO_NODES, *RUN, "mesh.shard_state=true"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(cluster, tmp_path_factory: pytest.TempPathFactory
+             ) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """Two nodes, with the state split across them (FSDP): the submitting process and the
+    sweep dir."""
+    proc, sweep, seconds = submit(FSDP_TWO_NODES, tmp_path_factory.mktemp("fsdp"), cluster)
     print(f"2 nodes, {STEPS} steps: {seconds:.1f} s")
-    check_two_process_run(proc, sweep, reference, hosts=2)
+    return proc, sweep
+
+
+def test_two_emulated_nodes_train_as_one_run(fsdp_run, reference: Path) -> None:
+    """The target, components and optimizer state each live half on one process, half on
+    the other; the losses are the 1-process run's."""
+    check_two_process_run(*fsdp_run, reference, hosts=2)
 
 
 def test_interrupted_job_requeues_and_ends_as_if_uninterrupted(
@@ -209,15 +220,14 @@ def test_interrupted_job_requeues_and_ends_as_if_uninterrupted(
 
 
 def test_a_checkpoint_unreadable_on_one_process_is_set_aside_by_every_process(
-        cluster, reference: Path, tmp_path: Path) -> None:
+        cluster, fsdp_run, reference: Path, tmp_path: Path) -> None:
     """FSDP over two nodes: each process reads only its own shards, so damaged chunks of one
     process's shards fail the read on that process alone. Both processes set the
     step aside together and resume from the one before it; none waits for the other in a
     barrier it never reaches."""
-    args = [*TWO_NODES, *RUN, "mesh.shard_state=true"]
-    proc, sweep, _ = submit(args, tmp_path, cluster)
-    ok(proc)
-    run_dir = sweep / "0"
+    ok(fsdp_run[0])
+    shutil.copytree(fsdp_run[1], tmp_path / "sweep", ignore=shutil.ignore_patterns(".submitit"))
+    run_dir = tmp_path / "sweep" / "0"
     # Overwrite the chunks of process 1's shards (index 1 on the split axis) with bytes
     # that are no chunk; process 0 never reads them.
     kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{run_dir}/checkpoints/{STEPS}/"
@@ -226,7 +236,7 @@ def test_a_checkpoint_unreadable_on_one_process_is_set_aside_by_every_process(
     assert len(shards_of_1) > 10, shards_of_1
     for key in shards_of_1:
         kv.write(key, b"not a chunk").result()
-    proc, sweep, seconds = submit(args, tmp_path, cluster, timeout=420)
+    proc, sweep, seconds = submit(FSDP_TWO_NODES, tmp_path, cluster, timeout=420)
     print(f"resumed past a step damaged on process 1: {seconds:.1f} s")
     ok(proc)
     log0 = next(t for name, t in rank_logs(sweep).items() if name.endswith("_0_log.err")
