@@ -59,7 +59,7 @@ def _fused(key: PRNGKeyArray, shape: tuple[int, ...]) -> bool:
 
 
 def uniform(key: PRNGKeyArray, shape: tuple[int, ...], minval: float = 0.0,
-            maxval: float = 1.0) -> Float[Array, ...]:
+            maxval: float = 1.0) -> Float[Array, "..."]:  # noqa: UP037 - a jaxtyping shape
     """U[minval, maxval) in float32, equal to `jax.random.uniform(key, shape, jnp.float32,
     minval, maxval)`."""
     if not _fused(key, shape):
@@ -72,6 +72,6 @@ def uniform(key: PRNGKeyArray, shape: tuple[int, ...], minval: float = 0.0,
 
 
 def bernoulli(key: PRNGKeyArray, p: float | Array, shape: tuple[int, ...]
-              ) -> Bool[Array, ...]:
+              ) -> Bool[Array, "..."]:  # noqa: UP037 - a jaxtyping shape
     """True with probability p, equal to `jax.random.bernoulli(key, p, shape)`."""
     return uniform(key, shape) < p
