@@ -43,6 +43,10 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def steps_newest_first(self) -> list[int]:
+        """Every complete step, newest first: the order a resume tries them in."""
+        return sorted(self.manager.all_steps(), reverse=True)
+
     def save(self, step: int, state: eqx.Module) -> None:
         arrays, _ = eqx.partition(state, eqx.is_array)
         self.manager.save(step, args=ocp.args.StandardSave(arrays), force=True)
@@ -77,7 +81,7 @@ class Checkpointer:
         checkpoint costs the steps since the previous one and needs no one at the console
         (a requeued job). Every process of a job takes the same decision.
         """
-        for step in sorted(self.manager.all_steps(), reverse=True):
+        for step in self.steps_newest_first():
             try:
                 state, why = self.restore(state_like, step), None
             except MemoryError:

@@ -157,7 +157,7 @@ def check_resumable(cfg: RunConfig, run_dir: Path) -> None:
     ckpt = Checkpointer(ckpt_dir)
     state_abs = abstract_run(cfg, jax.random.PRNGKey(cfg.seed))[1]
     why = None
-    for step in sorted(ckpt.manager.all_steps(), reverse=True):
+    for step in ckpt.steps_newest_first():
         try:
             why = ckpt.mismatch(state_abs, step)
             break

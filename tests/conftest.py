@@ -35,6 +35,16 @@ def ok(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[st
     return proc
 
 
+def copy_of(finished: tuple[Path, subprocess.CompletedProcess[str]], dest: Path) -> Path:
+    """A module's shared finished run (its directory and the process that made it), checked
+    and copied to `dest`, so a test can resume or damage it and leave the shared one as it
+    is for the others."""
+    src, proc = finished
+    ok(proc)
+    shutil.copytree(src, dest)
+    return dest
+
+
 def load_json(path: Path) -> Any:
     assert path.is_file(), f"missing {path}"
     return json.loads(path.read_text())

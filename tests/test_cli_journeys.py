@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import console_script, load_json, ok, pdecomp
+from conftest import console_script, copy_of, load_json, ok, pdecomp
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llama"
 
@@ -54,15 +54,6 @@ def full_run(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
     run_dir = cwd / "run"
     proc = pdecomp([*TINY, *ALL_GROUPS, f"hydra.run.dir={run_dir}"], cwd, env)
     return run_dir, proc
-
-
-def copy_of(full_run: tuple[Path, subprocess.CompletedProcess[str]], run_dir: Path) -> Path:
-    """The finished shared run, copied to `run_dir` (the shared one stays untouched for the
-    other journeys)."""
-    src, proc = full_run
-    ok(proc)
-    shutil.copytree(src, run_dir)
-    return run_dir
 
 
 # --- no run ----------------------------------------------------------------------------

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import tensorstore as ts
-from conftest import PDECOMP, load_json, ok, pdecomp
+from conftest import PDECOMP, copy_of, load_json, ok, pdecomp
 from jax.sharding import SingleDeviceSharding
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -162,18 +161,19 @@ FSDP_TWO_NODES = [*TWO_NODES, *RUN, "mesh.shard_state=true"]
 
 @pytest.fixture(scope="module")
 def fsdp_run(cluster, tmp_path_factory: pytest.TempPathFactory
-             ) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """Two nodes, with the state split across them (FSDP): the submitting process and the
-    sweep dir."""
+             ) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """Two nodes, with the state split across them (FSDP): the sweep dir and the submitting
+    process."""
     proc, sweep, seconds = submit(FSDP_TWO_NODES, tmp_path_factory.mktemp("fsdp"), cluster)
     print(f"2 nodes, {STEPS} steps: {seconds:.1f} s")
-    return proc, sweep
+    return sweep, proc
 
 
 def test_two_emulated_nodes_train_as_one_run(fsdp_run, reference: Path) -> None:
     """The target, components and optimizer state each live half on one process, half on
     the other; the losses are the 1-process run's."""
-    check_two_process_run(*fsdp_run, reference, hosts=2)
+    sweep, proc = fsdp_run
+    check_two_process_run(proc, sweep, reference, hosts=2)
 
 
 def test_interrupted_job_requeues_and_ends_as_if_uninterrupted(
@@ -225,9 +225,7 @@ def test_a_checkpoint_unreadable_on_one_process_is_set_aside_by_every_process(
     process's shards fail the read on that process alone. Both processes set the
     step aside together and resume from the one before it; none waits for the other in a
     barrier it never reaches."""
-    ok(fsdp_run[0])
-    shutil.copytree(fsdp_run[1], tmp_path / "sweep", ignore=shutil.ignore_patterns(".submitit"))
-    run_dir = tmp_path / "sweep" / "0"
+    run_dir = copy_of(fsdp_run, tmp_path / "sweep") / "0"
     # Overwrite the chunks of process 1's shards (index 1 on the split axis) with bytes
     # that are no chunk; process 0 never reads them.
     kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{run_dir}/checkpoints/{STEPS}/"
