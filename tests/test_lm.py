@@ -72,6 +72,12 @@ def setup():
     return cfg, target, state
 
 
+@pytest.fixture(scope="module")
+def step(setup):
+    """The setup's train step, compiled once for the module (a compile takes seconds)."""
+    return jax.jit(make_train_step(setup[0]))
+
+
 class Clean(NamedTuple):
     """The clean forward of one batch, as the train step sees it."""
 
@@ -224,9 +230,8 @@ def test_fresh_eval_pgd_starts_anew_ascends_and_reports_ce_and_kl(setup):
     assert out["kl/pgd"] > out["kl/stochastic"] and out["ce_unrecovered/pgd"] > 0
 
 
-def test_pgd_warmup_ascents_and_the_after_backward_ascent_are_counted(setup):
+def test_pgd_warmup_ascents_and_the_after_backward_ascent_are_counted(setup, step):
     cfg, target, state = setup
-    step = jax.jit(make_train_step(cfg))
     for i in range(2):
         state, m = step(state, target, tokens(cfg, i))
     count = int(state.adversary.opt.count)  # Adam's step count: n_warmup + 1 per step
@@ -234,11 +239,10 @@ def test_pgd_warmup_ascents_and_the_after_backward_ascent_are_counted(setup):
     assert np.isfinite(float(m["loss/pgd"])) and float(m["loss/pgd"]) > 0
 
 
-def test_state_round_trip_through_a_checkpoint_continues_the_trajectory(setup, tmp_path):
+def test_state_round_trip_through_a_checkpoint_continues_the_trajectory(setup, step, tmp_path):
     """Sources, their moments and the step counter are in the checkpoint: 2 steps, save,
     restore, 2 steps equals 4 steps straight."""
     cfg, target, state0 = setup
-    step = jax.jit(make_train_step(cfg))
     straight = state0
     for i in range(4):
         straight, m_straight = step(straight, target, tokens(cfg, i))
@@ -261,9 +265,9 @@ def test_state_round_trip_through_a_checkpoint_continues_the_trajectory(setup, t
 
 
 @pytest.mark.parametrize("remat", ["full", "save_dots", "names", "offload"])  # vs none
-def test_remat_policies_keep_the_numbers(setup, remat):
+def test_remat_policies_keep_the_numbers(setup, step, remat):
     cfg, target, state = setup
-    ref = jax.jit(make_train_step(cfg))(state, target, tokens(cfg))[1]
+    ref = step(state, target, tokens(cfg))[1]
     got = jax.jit(make_train_step(tiny_cfg(remat=remat, remat_names=["layer_out"])))(
         state, target, tokens(cfg))[1]
     for k in ("loss/total", "loss/recon_chunkwise", "loss/pgd"):
