@@ -18,8 +18,10 @@ def test_llama_tiny_chunkwise_pgd_kl_and_l0_fall(tmp_path: Path, env: dict[str, 
     first on the synthetic language: the recon KL and L0 both fall, and the evaluation
     reports every mask kind, the fresh adversary among them, on held-out rows."""
     run_dir = tmp_path / "run"
-    proc = ok(pdecomp(["+experiment=llama_tiny_chunkwise", "optim.steps=200", *QUIET,
-                    f"hydra.run.dir={run_dir}"], tmp_path, env, timeout=900))
+    # Half the preset's target training (CE 0.67 instead of 0.53) saves 20 s of the test.
+    proc = ok(pdecomp(["+experiment=llama_tiny_chunkwise", "optim.steps=200",
+                       "model.train_steps=200", *QUIET, f"hydra.run.dir={run_dir}"],
+                      tmp_path, env, timeout=900))
     assert "training target llama_tiny" in proc.stderr
     history = load_json(run_dir / "history.json")
     first, last = history[0], history[-1]
@@ -28,7 +30,7 @@ def test_llama_tiny_chunkwise_pgd_kl_and_l0_fall(tmp_path: Path, env: dict[str, 
     def l0(h):
         return sum(v for k, v in h.items() if k.startswith("train/l0/"))
 
-    # Measured: L0 576 -> 329 and recon KL 0.020 -> 0.004 over these 200 steps.
+    # Measured: L0 576 -> 286 and recon KL 0.033 -> 0.006 over these 200 steps.
     assert l0(last) < 0.75 * l0(first), (l0(first), l0(last))
     assert last["loss/recon_chunkwise"] < 0.5 * first["loss/recon_chunkwise"], (first, last)
     assert last["loss/faithfulness"] < 1e-5
