@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import shutil
 import sys
 import traceback
 from pathlib import Path
@@ -134,9 +135,35 @@ def split_cpu_host() -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
+def _hydra_record(overrides: list[str]) -> tuple[Path, dict[str, bytes]] | None:
+    """`.hydra/` of an existing `hydra.run.dir` (a resume) and its files as they are now.
+
+    Hydra rewrites them with the new command before the job starts; when the job then
+    refuses to resume (exit 2), they are put back, so the run keeps its own record."""
+    for line in overrides:
+        if line.split("=", 1)[0] == "hydra.run.dir":
+            value = OverridesParser.create().parse_overrides([line])[0].value()
+            directory = Path(str(value)) / ".hydra"
+            if directory.is_dir():
+                return directory, {p.name: p.read_bytes() for p in directory.iterdir()
+                                   if p.is_file()}
+    return None
+
+
+def _restore(record: tuple[Path, dict[str, bytes]] | None) -> None:
+    if record is None or not record[0].parent.is_dir():
+        return
+    directory, files = record
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir()
+    for name, data in files.items():
+        (directory / name).write_bytes(data)
+
+
 def main() -> None:
     split_cpu_host()
     overrides = _overrides(sys.argv[1:])
+    record = None
     if overrides is not None:
         try:
             submits = check_overrides(overrides)
@@ -150,6 +177,8 @@ def main() -> None:
             # Hydra uses its launcher in multirun mode only: a run submitted to a cluster is
             # a sweep of one job.
             sys.argv.insert(1, "--multirun")
+        if not {"-m", "--multirun"} & set(sys.argv):
+            record = _hydra_record(overrides)
     try:
         _hydra_main()
         code = slurm_launcher.outcome["exit_code"]
@@ -160,6 +189,8 @@ def main() -> None:
             raise
         traceback.print_exc()
         code = 1
+    if code == EXIT_BAD_CONFIG:
+        _restore(record)
     if _compile_in_flight():  # a gate-only run left XLA's code generation running
         gate = sys.modules["pdecomp.gate"]
         gate.end_process(0 if code is None else code if isinstance(code, int) else 1)
