@@ -22,12 +22,13 @@ TORCH_STEPS_PER_S = 28.0
 TORCH_FULL_RUN_S = 6 * 60.0
 
 STEP_SCRIPT = textwrap.dedent("""
-    import json, time, jax, numpy as np
+    import dataclasses, json, sys, time, jax, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from pdecomp import hardware, targets
     from pdecomp.config import RunConfig
     from pdecomp.train import init_state, make_train_step
     cfg = RunConfig()
+    cfg = dataclasses.replace(cfg, layers=dataclasses.replace(cfg.layers, ci_fn=sys.argv[1]))
     hardware.keep_freed_host_memory()  # as pdecomp.run does for CPU training
     mesh = Mesh(np.array(jax.devices()), ("data",))
     rep, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
@@ -44,10 +45,10 @@ STEP_SCRIPT = textwrap.dedent("""
 """)
 
 
-def step_rate(n_devices: int) -> float:
+def step_rate(n_devices: int, ci_fn: str = "mlp") -> float:
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n_devices}"}
-    out = subprocess.run([sys.executable, "-c", STEP_SCRIPT], env=env, capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", STEP_SCRIPT, ci_fn], env=env,
+                         capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])["steps_per_s"]
 
 
@@ -74,6 +75,10 @@ def main() -> None:
         r = step_rate(n)
         table.add_row(f"steps/s, batch 4096, {n} CPU device(s)", f"{r:.1f}",
                       f"{TORCH_STEPS_PER_S:.0f}", f"{r / TORCH_STEPS_PER_S:.2f}x")
+    # The same step with one shared MLP per site in place of the per-component CI MLPs:
+    # what everything else costs, a bound on what a faster CI MLP could give.
+    r = step_rate(1, "shared_mlp")
+    table.add_row("  bound: layers.ci_fn=shared_mlp, 1 device", f"{r:.1f}", "", "")
     if "--no-full" not in sys.argv:
         # the default mesh (a device per core) and one device: at this size the per-step
         # collectives between simulated CPU devices cost more than the split saves
