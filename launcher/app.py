@@ -125,13 +125,15 @@ def _hydra_main(cfg: DictConfig) -> dict:
 
 
 def split_cpu_host() -> None:
-    """On a host without accelerators XLA makes one CPU device; give it one per core (or
-    $PDECOMP_CPU_DEVICES) so the data axis spreads each step over every core. This only
-    shapes the CPU platform: on a GPU host the mesh is built from the GPUs."""
+    """On a host without accelerators XLA makes one CPU device, which runs each op on every
+    core; `$PDECOMP_CPU_DEVICES` splits the host into that many simulated devices (to try a
+    data axis or FSDP on a laptop). One device is the default because the toys' steps are
+    too small to pay for collectives between simulated devices (bench/RESULTS.md). This
+    only shapes the CPU platform: on a GPU host the mesh is built from the GPUs."""
     flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" in flags:
+    n = os.environ.get("PDECOMP_CPU_DEVICES")
+    if n is None or "xla_force_host_platform_device_count" in flags:
         return
-    n = int(os.environ.get("PDECOMP_CPU_DEVICES", os.cpu_count() or 1))
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 

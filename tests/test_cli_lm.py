@@ -19,9 +19,10 @@ def test_llama_tiny_chunkwise_pgd_kl_and_l0_fall(tmp_path: Path, env: dict[str, 
     reports every mask kind, the fresh adversary among them, on held-out rows."""
     run_dir = tmp_path / "run"
     # Half the preset's target training (CE 0.67 instead of 0.53) saves 20 s of the test.
+    # Two simulated CPU devices: the CLI journey with the batch split on the data axis.
     proc = ok(pdecomp(["+experiment=llama_tiny_chunkwise", "optim.steps=200",
                        "model.train_steps=200", *QUIET, f"hydra.run.dir={run_dir}"],
-                      tmp_path, env, timeout=900))
+                      tmp_path, dict(env, PDECOMP_CPU_DEVICES="2"), timeout=900))
     assert "training target llama_tiny" in proc.stderr
     history = load_json(run_dir / "history.json")
     first, last = history[0], history[-1]
@@ -48,7 +49,7 @@ def test_llama_tiny_chunkwise_pgd_kl_and_l0_fall(tmp_path: Path, env: dict[str, 
     assert s["steps"] == 200 and (run_dir / "mean_ci.png").exists()
     assert "CE unrecovered" in proc.stderr
     gate = load_json(run_dir / "gate.json")
-    assert gate["argument_parts_bytes"]["adversary"] > 0
+    assert gate["argument_parts_bytes"]["adversary"] > 0 and gate["mesh"] == {"data": 2}
 
 
 @pytest.mark.slow
