@@ -208,9 +208,12 @@ def batch_sampler(cfg: RunConfig, batch_sharding: NamedSharding, key: Array,
     from `key`; a Llama reads the training or the held-out token stream."""
     B = cfg.data.batch_size
     if cfg.model.kind != "llama":
-        sample = jax.jit(lambda k: targets.sample_inputs(k, cfg.model, B),
+        # fold_in inside the jit: one dispatch a step, not two (the host thread shares the
+        # cores with the step on a CPU)
+        sample = jax.jit(lambda k, i: targets.sample_inputs(jax.random.fold_in(k, i),
+                                                            cfg.model, B),
                          out_shardings=batch_sharding)
-        return lambda i: sample(jax.random.fold_in(key, i))
+        return lambda i: sample(key, i)
     stream = token_stream(cfg, held_out)
     shape = (B, cfg.data.seq_len)
     # Each host reads only the rows its own devices hold.
