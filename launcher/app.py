@@ -131,9 +131,13 @@ def split_cpu_host() -> None:
     too small to pay for collectives between simulated devices (bench/RESULTS.md). This
     only shapes the CPU platform: on a GPU host the mesh is built from the GPUs."""
     flags = os.environ.get("XLA_FLAGS", "")
-    n = os.environ.get("PDECOMP_CPU_DEVICES")
-    if n is None or "xla_force_host_platform_device_count" in flags:
+    n = os.environ.get("PDECOMP_CPU_DEVICES", "")
+    if not n or "xla_force_host_platform_device_count" in flags:
         return
+    if not n.isdigit() or int(n) < 1:  # XLA would abort at start-up on it
+        print(f"config error: PDECOMP_CPU_DEVICES={n!r}: give a whole number of CPU devices, "
+              f"1 or more", file=sys.stderr)
+        sys.exit(EXIT_BAD_CONFIG)
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 

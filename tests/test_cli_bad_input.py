@@ -66,6 +66,17 @@ CASES = [
 @pytest.mark.parametrize(("argv", "key"), [pytest.param(a, k, id=i) for i, a, k in CASES])
 def test_bad_input_exits_2_with_one_line(argv: list[str], key: str | tuple[str, ...],
                                          env: dict[str, str], tmp_path: Path) -> None:
+    refused(argv, key, env, tmp_path)
+
+
+@pytest.mark.parametrize("n", ["two", "0", "-1"])
+def test_a_bad_cpu_device_count_exits_2_with_one_line(n: str, env: dict[str, str],
+                                                      tmp_path: Path) -> None:
+    refused([], "PDECOMP_CPU_DEVICES", dict(env, PDECOMP_CPU_DEVICES=n), tmp_path)
+
+
+def refused(argv: list[str], key: str | tuple[str, ...], env: dict[str, str],
+            tmp_path: Path) -> None:
     proc = subprocess.run([PDECOMP, *argv], check=False, cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     err = proc.stderr.strip()
