@@ -7,7 +7,6 @@ starts, so a bad value ends with one line and exit code 2, leaving no run direct
 from __future__ import annotations
 
 import itertools
-import os
 import re
 import shutil
 import sys
@@ -22,6 +21,7 @@ from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, open_dict
 
 from hydra_plugins.pdecomp_launcher import slurm_launcher
+from launcher import cluster
 from launcher.registry import register, to_run_config
 from pdecomp.config import EXIT_BAD_CONFIG, ConfigError, validate
 
@@ -124,23 +124,6 @@ def _hydra_main(cfg: DictConfig) -> dict:
     return run_job(cfg)
 
 
-def split_cpu_host() -> None:
-    """On a host without accelerators XLA makes one CPU device, which runs each op on every
-    core; `$PDECOMP_CPU_DEVICES` splits the host into that many simulated devices (to try a
-    data axis or FSDP on a laptop). One device is the default because the toys' steps are
-    too small to pay for collectives between simulated devices (bench/RESULTS.md). This
-    only shapes the CPU platform: on a GPU host the mesh is built from the GPUs."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    n = os.environ.get("PDECOMP_CPU_DEVICES", "")
-    if not n or "xla_force_host_platform_device_count" in flags:
-        return
-    if not n.isdigit() or int(n) < 1:  # XLA would abort at start-up on it
-        print(f"config error: PDECOMP_CPU_DEVICES={n!r}: give a whole number of CPU devices, "
-              f"1 or more", file=sys.stderr)
-        sys.exit(EXIT_BAD_CONFIG)
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-
-
 def _hydra_record(overrides: list[str]) -> tuple[Path, dict[str, bytes]] | None:
     """`.hydra/` of an existing `hydra.run.dir` (a resume) and its files as they are now.
 
@@ -167,7 +150,7 @@ def _restore(record: tuple[Path, dict[str, bytes]] | None) -> None:
 
 
 def main() -> None:
-    split_cpu_host()
+    cluster.split_cpu_devices()
     overrides = _overrides(sys.argv[1:])
     record = None
     if overrides is not None:

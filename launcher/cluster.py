@@ -16,6 +16,8 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
+from pdecomp.config import EXIT_BAD_CONFIG
+
 EXIT_REQUEUED = 75  # a rank that stopped for a requeue (EX_TEMPFAIL): not done, not failed
 
 
@@ -42,14 +44,19 @@ def job_ranks() -> Ranks:
 
 
 def split_cpu_devices() -> None:
-    """One simulated CPU device per core SLURM gave this task (`PDECOMP_CPU_DEVICES` wins).
-
-    The submitting process set XLA's device count for its own machine, and sbatch passes the
-    environment on; a task must count its own cores instead, before JAX starts its backend.
-    """
-    n = os.environ.get("PDECOMP_CPU_DEVICES") or os.environ.get("SLURM_CPUS_PER_TASK") or "1"
-    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
-                   os.environ.get("XLA_FLAGS", ""))
+    """`$PDECOMP_CPU_DEVICES=N`: N simulated XLA CPU devices in this process (to try a data
+    axis or FSDP on a laptop); set before JAX starts its backend. Without it a process has
+    XLA's one CPU device, which already spreads each op over every core, and which the toys
+    run faster on (bench/RESULTS.md). An `XLA_FLAGS` device count of the user's own wins.
+    sbatch passes the submitting environment on, so every task of a job gets the same."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    n = os.environ.get("PDECOMP_CPU_DEVICES", "")
+    if not n or "xla_force_host_platform_device_count" in flags:
+        return
+    if not n.isdigit() or int(n) < 1:  # XLA would abort at start-up on it
+        print(f"config error: PDECOMP_CPU_DEVICES={n!r}: give a whole number of CPU devices, "
+              f"1 or more", file=sys.stderr)
+        sys.exit(EXIT_BAD_CONFIG)
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 

@@ -86,8 +86,6 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
     in_slurm = cluster.in_slurm_job()
     ranks = cluster.job_ranks()
     signals: cluster.StopSignals | None = None
-    if in_slurm:
-        cluster.split_cpu_devices()
 
     from pdecomp.run import GateRefused, Hooks, Interrupted, decompose, preflight
 

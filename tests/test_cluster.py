@@ -1,5 +1,5 @@
-"""The job-side pieces of a SLURM run that need no cluster: the CPU device count a task
-takes, and what a rank does when the coordinator never answers."""
+"""The job-side pieces of a run that need no cluster: the CPU device count a process takes,
+and what a SLURM rank does when the coordinator never answers."""
 
 from __future__ import annotations
 
@@ -11,18 +11,20 @@ import sys
 from launcher import cluster
 
 
-def test_task_counts_its_own_cores(monkeypatch) -> None:
-    """sbatch passes the submitting machine's XLA flags on; a task replaces the device
-    count with its own cores and keeps every other flag."""
+def test_cpu_device_count_only_on_request(monkeypatch) -> None:
+    """XLA's one CPU device unless PDECOMP_CPU_DEVICES asks for more; other flags kept, and
+    a device count already in XLA_FLAGS (the user's own) wins."""
     monkeypatch.delenv("PDECOMP_CPU_DEVICES", raising=False)
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=16 --xla_dump_to=x")
-    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "3")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=x")
+    cluster.split_cpu_devices()
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=x"
+    monkeypatch.setenv("PDECOMP_CPU_DEVICES", "3")
     cluster.split_cpu_devices()
     flags = os.environ["XLA_FLAGS"].split()
     assert sorted(flags) == ["--xla_dump_to=x", "--xla_force_host_platform_device_count=3"]
     monkeypatch.setenv("PDECOMP_CPU_DEVICES", "2")
     cluster.split_cpu_devices()
-    assert "--xla_force_host_platform_device_count=2" in os.environ["XLA_FLAGS"].split()
+    assert os.environ["XLA_FLAGS"].split() == flags
 
 
 def test_gpus_split_only_between_tasks_that_share_them(monkeypatch) -> None:
