@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -192,3 +193,20 @@ class CIFunction(eqx.Module):
         if self.global_net is not None:
             return self.global_net(site_inputs, components)
         return {s: net(site_inputs[s], components.sites[s].V) for s, net in self.sites.items()}
+
+    # The same logits one site at a time, from features computed once: a step that streams
+    # its CI (`memory.stream_ci`) recomputes a site's logits where they are used instead of
+    # keeping every site's [*pos, C] logits for the whole step.
+
+    def features(self, site_inputs: Mapping[str, Array], remat: bool = False) -> Any:
+        """What every site's logits are computed from: the global network's final hidden
+        state [*pos, d_model] (`remat`: its blocks rematerialized), or the site inputs."""
+        if self.global_net is not None:
+            return self.global_net.hidden(site_inputs, remat)
+        return dict(site_inputs)
+
+    def site_logits(self, features: Any, site: str, components: Components
+                    ) -> Float[Array, "*pos C"]:
+        if self.global_net is not None:
+            return self.global_net.site_logits(features, self.global_net.sites.index(site))
+        return self.sites[site](features[site], components.sites[site].V)

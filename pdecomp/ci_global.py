@@ -67,8 +67,11 @@ class GlobalCITransformer(eqx.Module):
     w_up: Float[Array, "L d_model d_mlp"]
     w_down: Float[Array, "L d_mlp d_model"]
     final_norm: Float[Array, " d_model"]
-    w_out: Float[Array, "d_model S"]
-    b_out: Float[Array, " S"]
+    # The logit linear, one head per site (in the order of `C`): a site's logits come from its
+    # own [d_model, C] block, which shards along C like the site's V and U, and no [*, ΣC]
+    # tensor of every site exists at once.
+    w_out: tuple[Float[Array, "d_model C"], ...]
+    b_out: tuple[Float[Array, " C"], ...]
     sites: tuple[str, ...] = eqx.field(static=True)
     d_in: tuple[int, ...] = eqx.field(static=True)
     C: tuple[int, ...] = eqx.field(static=True)
@@ -92,6 +95,7 @@ class GlobalCITransformer(eqx.Module):
                              "(RoPE rotates pairs)")
         D, S, L = sum(d_in.values()), sum(C.values()), n_blocks
         k = jax.random.split(key, 8)
+        splits = [sum(list(C.values())[:i]) for i in range(1, len(C))]
         sd, sm = 1 / math.sqrt(d_model), 1 / math.sqrt(d_mlp)
         return GlobalCITransformer(
             w_in=_normal(k[0], (D, d_model), 1 / math.sqrt(D)),
@@ -105,8 +109,8 @@ class GlobalCITransformer(eqx.Module):
             w_up=_normal(k[5], (L, d_model, d_mlp), sd),
             w_down=_normal(k[6], (L, d_mlp, d_model), RESID_OUT_SCALE * sm),
             final_norm=jnp.ones((d_model,), jnp.float32),
-            w_out=_normal(k[7], (d_model, S), LOGIT_SCALE * sd),
-            b_out=jnp.full((S,), LOGIT_INIT, jnp.float32),
+            w_out=tuple(jnp.split(_normal(k[7], (d_model, S), LOGIT_SCALE * sd), splits, axis=1)),
+            b_out=tuple(jnp.full((c,), LOGIT_INIT, jnp.float32) for c in C.values()),
             sites=tuple(C), d_in=tuple(d_in[s] for s in C), C=tuple(C.values()),
             n_heads=n_heads)
 
@@ -116,6 +120,20 @@ class GlobalCITransformer(eqx.Module):
         sequence). Every site must have the same leading shape. Returns fp32 logits
         [*batch, T, C[s]] (resp. [B, C[s]]) per site. `components` is unused."""
         del components
+        h = self.hidden(site_inputs)
+        return {s: self.site_logits(h, i) for i, s in enumerate(self.sites)}
+
+    def site_logits(self, h: Float[Array, "*pos d_model"], i: int) -> Float[Array, "*pos C"]:
+        """The logits of site `i` (in the order of `C`) from the final hidden state."""
+        # bf16 operands, fp32 result: the logits are compared with the 0 and 1 of the squashings
+        return jnp.matmul(h, self.w_out[i].astype(h.dtype),
+                          preferred_element_type=jnp.float32) + self.b_out[i]
+
+    def hidden(self, site_inputs: Mapping[str, Array], remat: bool = False
+               ) -> Float[Array, "*pos d_model"]:
+        """The final (normed) hidden state every site's logits read. `remat`: the backward
+        recomputes each block from its input rather than keeping every block's attention
+        scores."""
         xs = [site_inputs[s] for s in self.sites]
         for s, x, d in zip(self.sites, xs, self.d_in):
             if x.ndim < 2 or x.shape[-1] != d:
@@ -139,15 +157,9 @@ class GlobalCITransformer(eqx.Module):
         def body(h, w):
             return self._block(h, w, cos, sin), None
 
-        h, _ = jax.lax.scan(body, h, blocks)
+        h, _ = jax.lax.scan(jax.checkpoint(body) if remat else body, h, blocks)
         h = rms_norm(h, self.final_norm.astype(dtype), NORM_EPS)
-        # bf16 operands, fp32 result: the logits are compared with the 0 and 1 of the squashings
-        logits = jnp.matmul(h, self.w_out.astype(dtype),
-                            preferred_element_type=jnp.float32) + self.b_out
-        if no_pos:
-            logits = logits[:, 0, :]
-        splits = [sum(self.C[:i]) for i in range(1, len(self.C))]
-        return dict(zip(self.sites, jnp.split(logits, splits, axis=-1), strict=True))
+        return h[:, 0, :] if no_pos else h
 
     def _block(self, h: Float[Array, "*b t d"], w: tuple[Array, ...], cos: Array, sin: Array
                ) -> Array:

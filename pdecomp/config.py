@@ -31,6 +31,8 @@ DATA_SOURCES = ("toy", "synthetic", "tokens", "hf_dataset")  # toy: the toy targ
 TOKEN_DTYPES = ("uint16", "uint32")
 PGD_SCOPES = ("global", "batch_shared", "per_example")  # [1,1,C+1], [1,T,C+1], [B,T,C+1]
 PGD_OPTIMIZERS = ("adam", "sign")
+MESH_AXES = ("data", "model", "none")
+LOGICAL_AXES = ("batch", "comp", "embed", "ci_embed")
 REMAT = ("none", "full", "save_dots", "names", "offload")
 REMAT_NAMES = ("site_inner", "site_out", "layer_out")  # checkpoint_name tags in the forward
 LLAMA_MLP = ("gate_proj", "up_proj", "down_proj")
@@ -188,6 +190,9 @@ class OptimConfig:
     steps: int = 10_000
     components: OptGroupConfig = field(default_factory=OptGroupConfig)
     ci_fn: OptGroupConfig = field(default_factory=OptGroupConfig)
+    # Gradient accumulation: the batch's step taken over this many microbatches in turn
+    # (the same step: imp-min's whole-batch sums first, then each microbatch's gradient).
+    microbatches: int = 1
     faith_warmup_steps: int = 200
     faith_warmup_lr: float = 0.01
     faith_warmup_weight_decay: float = 0.1
@@ -211,14 +216,24 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh: one data axis. The batch is split over it; with `shard_state` (FSDP) the
-    frozen target, components, CI function and optimizer moments are split over it too."""
+    """Device mesh: a data axis and a model axis. The batch is split over data, each site's
+    components over model (along C); with `shard_state` (FSDP) the frozen target,
+    components, CI function and optimizer moments are split over data too."""
 
     name: str = "local"
     data: int = 0  # devices on the data axis; 0: every device (local) or hosts x gpus_per_host
     hosts: int = 1  # the GPUs a run is sized for: a deviceless gate compiles for
     gpus_per_host: int = 0  # hosts x gpus_per_host of them (0: one GPU)
     shard_state: bool = False
+    # Devices on the model axis (they hold one C-slice each of every site's components and
+    # CI logit head, and of the [*pos, C] activations); the rest of the mesh is the data
+    # axis. Keep it within a host: its all-reduces run on every site matmul.
+    model: int = 1
+    # Logical axis -> mesh axis (`data`, `model`, or `none`: replicated). Logical axes: batch
+    # (activations' first position axis), comp (a site's C), embed (site weight dims),
+    # ci_embed (the CI logit head's input). FSDP (`shard_state`) then splits each leaf's
+    # largest unnamed dimension on `data`.
+    rules: dict[str, str] = field(default_factory=lambda: {"batch": "data", "comp": "model"})
     # Multi-process jobs: how long a rank waits for every process to join jax.distributed
     # before it gives up with an error (instead of hanging until the time limit).
     init_timeout_s: int = 300
@@ -236,6 +251,15 @@ class MemoryConfig:
     # outputs; names keeps the tensors tagged `remat_names`; offload moves those to host.
     remat: str = "none"
     remat_names: list[str] = field(default_factory=lambda: ["layer_out"])
+    # Stream the CI function's output: each site's logits are recomputed where they are used
+    # (imp-min's sums, each recon forward, L0) from features kept once, rather than every
+    # site's [*pos, C] logits, lower and upper being kept for the whole step. Costs the
+    # logit linear again per use (global_transformer: d_model x C per position and site).
+    stream_ci: bool = False
+    # Rematerialize layer by layer inside the scanned runs of frozen target layers and the
+    # global CI transformer's blocks: a backward through them keeps one layer's activations
+    # (LMs: its [B, heads, T, T] attention scores) at a time, at one more forward per layer.
+    remat_layers: bool = False
 
 
 @dataclass(frozen=True)
@@ -412,6 +436,10 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
     o = cfg.optim
     _positive("optim.steps", o.steps)
     _positive("optim.faith_warmup_steps", o.faith_warmup_steps, zero_ok=True)
+    _positive("optim.microbatches", o.microbatches)
+    if cfg.data.batch_size % o.microbatches:
+        raise ConfigError("optim.microbatches", o.microbatches,
+                          f"must divide data.batch_size ({cfg.data.batch_size})")
     _positive("optim.faith_warmup_lr", o.faith_warmup_lr)
     for group in ("components", "ci_fn"):
         g: OptGroupConfig = getattr(o, group)
@@ -444,23 +472,38 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
     _positive("mesh.hosts", me.hosts)
     _positive("mesh.gpus_per_host", me.gpus_per_host, zero_ok=True)
     _positive("mesh.init_timeout_s", me.init_timeout_s)
-    planned = me.hosts * max(me.gpus_per_host, 1)
-    if me.data and cfg.gate.target != "local" and me.data != planned:
+    _positive("mesh.model", me.model)
+    for name, axis in me.rules.items():
+        _choice("mesh.rules", name, LOGICAL_AXES)
+        _choice(f"mesh.rules.{name}", axis, MESH_AXES)
+    planned = me.hosts * max(me.gpus_per_host, 1)  # the devices a run is sized for
+    if (cfg.gate.target != "local" or me.gpus_per_host) and planned % me.model:
+        raise ConfigError("mesh.model", me.model, f"must divide the mesh's {planned} devices")
+    data_axis = planned // me.model
+    micro = cfg.data.batch_size // max(cfg.optim.microbatches, 1)  # a microbatch's examples
+    per_micro = (f" in each of optim.microbatches={cfg.optim.microbatches} microbatches"
+                 if cfg.optim.microbatches > 1 else "")
+    if me.data and cfg.gate.target != "local" and me.data != data_axis:
         raise ConfigError("mesh.data", me.data, f"must be 0 or mesh.hosts x mesh.gpus_per_host "
-                          f"({planned}) for gate.target={cfg.gate.target}")
+                          f"/ mesh.model ({data_axis}) for gate.target={cfg.gate.target}")
     if n_devices is not None and me.gpus_per_host and planned > n_devices:
         raise ConfigError("mesh.gpus_per_host", me.gpus_per_host,
                           f"mesh.hosts x mesh.gpus_per_host = {planned} devices; the job has "
                           f"{n_devices}")
+    if n_devices is not None and not me.gpus_per_host and n_devices % me.model:
+        raise ConfigError("mesh.model", me.model, f"must divide the job's {n_devices} devices")
     if n_devices is not None and me.data:
-        if me.data > n_devices:
-            raise ConfigError("mesh.data", me.data, f"the job has {n_devices} device(s)")
-        if cfg.data.batch_size % me.data:
+        if me.data * me.model > n_devices:
+            raise ConfigError("mesh.data", me.data, f"mesh.data x mesh.model = "
+                              f"{me.data * me.model} devices; the job has {n_devices}")
+        if micro % me.data:
             raise ConfigError("data.batch_size", cfg.data.batch_size,
-                              f"must be divisible by the data axis size {me.data}")
-    if cfg.gate.target != "local" and cfg.data.batch_size % planned:
+                              f"must be divisible by the data axis size {me.data}{per_micro}")
+    if cfg.gate.target != "local" and micro % data_axis:
+        where = (f"{planned} {cfg.gate.target} GPUs of the mesh" if me.model == 1 else
+                 f"{data_axis} devices of the mesh's data axis")
         raise ConfigError("data.batch_size", cfg.data.batch_size,
-                          f"must be divisible by the {planned} {cfg.gate.target} GPUs of the mesh")
+                          f"must be divisible by the {where}{per_micro}")
 
     mem = cfg.memory
     _positive("memory.hbm_cap_gib", mem.hbm_cap_gib, zero_ok=True)

@@ -174,8 +174,10 @@ def ensure_gpu_compile() -> None:
         _load_cuda_plugin()
 
 
-def topology_mesh(gpu: str, hosts: int, gpus_per_host: int, axis: str = "data") -> Mesh:
-    """A compile-only mesh of `hosts x gpus_per_host` GPUs of kind `gpu` on one data axis."""
+def topology_mesh(gpu: str, hosts: int, gpus_per_host: int,
+                  axes: tuple[tuple[str, int], ...]) -> Mesh:
+    """A compile-only mesh of `hosts x gpus_per_host` GPUs of kind `gpu`, with named axes of
+    the given sizes (the last one varies fastest, so it stays within a host)."""
     ensure_gpu_compile()
     return topologies.make_mesh(_topology(gpu, hosts, gpus_per_host),
-                                (hosts * gpus_per_host,), (axis,))
+                                tuple(n for _, n in axes), tuple(a for a, _ in axes))

@@ -190,11 +190,13 @@ class Llama(eqx.Module):
         return self.embed[tokens]
 
     def run_layers(self, h: Array, start: int, stop: int, linear: LinearFn = frozen_linear,
-                   hooked: Sequence[int] = (), streams: dict[int, Array] | None = None
-                   ) -> Array:
+                   hooked: Sequence[int] = (), streams: dict[int, Array] | None = None,
+                   remat: bool = False) -> Array:
         """Layers [start, stop): those in `hooked` unrolled with named sites, runs of the
         others under one scan each (compile time flat in depth). `streams`, when given,
-        receives the residual stream entering each hooked layer."""
+        receives the residual stream entering each hooked layer. `remat`: a backward through
+        the scanned layers recomputes each layer from its input instead of keeping every
+        layer's activations (attention scores included) at once."""
         rope = self.rope(h.shape[1])
         i = start
         while i < stop:
@@ -216,11 +218,12 @@ class Llama(eqx.Module):
             def body(carry, w):
                 return self.block(carry, w, rope, lambda _, x, W: frozen_linear("", x, W)), None
 
-            h, _ = jax.lax.scan(body, h, stacked)
+            h, _ = jax.lax.scan(jax.checkpoint(body) if remat else body, h, stacked)
             i = j
         return h
 
-    def split(self, sites: Sequence[str], dtype: Any) -> tuple[Callable, Callable]:
+    def split(self, sites: Sequence[str], dtype: Any, remat_layers: bool = False
+              ) -> tuple[Callable, Callable]:
         """(prefix, suffix) around the first layer that holds a site.
 
         The prefix (embedding and the layers before it) runs once per batch outside every
@@ -242,11 +245,11 @@ class Llama(eqx.Module):
                    live: Sequence[str] | None = None) -> Array:
             if live is None or not streams:
                 return self.logits(self.run_layers(h, start, self.n_layers, linear, hooked,
-                                                   streams))
+                                                   streams, remat_layers))
             live_layers = sorted({site_layer(s) for s in live})
             first = live_layers[0]
             return self.logits(self.run_layers(streams[first], first, self.n_layers, linear,
-                                               live_layers))
+                                               live_layers, remat=remat_layers))
 
         return prefix, suffix
 

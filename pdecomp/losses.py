@@ -25,6 +25,23 @@ def p_at(step: Array | int, total_steps: int, p_start: float, p_end: float,
     return p_start + (p_end - p_start) * t
 
 
+def importance_sums(ci_upper: Mapping[str, Float[Array, "*pos C"]], p: Array | float,
+                    eps: float) -> dict[str, Float[Array, " C"]]:
+    """S_c = Σ_pos (ci + eps)^p per site: the only way imp-min sees the batch. Sums over
+    microbatches add up to the whole batch's."""
+    return {s: jnp.sum((ci.astype(jnp.float32) + eps) ** p, axis=tuple(range(ci.ndim - 1)))
+            for s, ci in ci_upper.items()}
+
+
+def importance_from_sums(S: Mapping[str, Float[Array, " C"]], n_pos: int, beta: float
+                         ) -> Float[Array, ""]:
+    """Σ_sites Σ_c m_c (1 + β log2(1 + S_c)), m_c = S_c / n_pos."""
+    total = jnp.zeros((), jnp.float32)
+    for v in S.values():
+        total = total + jnp.sum(v / n_pos * (1.0 + beta * jnp.log2(1.0 + v)))
+    return total
+
+
 def importance_minimality(ci_upper: Mapping[str, Float[Array, "*pos C"]], p: Array | float,
                           eps: float, beta: float) -> Float[Array, ""]:
     """Σ_sites Σ_c m_c (1 + β log2(1 + S_c)), S_c = Σ_pos (ci + eps)^p, m_c = S_c / n_pos.
@@ -32,13 +49,8 @@ def importance_minimality(ci_upper: Mapping[str, Float[Array, "*pos C"]], p: Arr
     S_c is a sum over the whole (global) batch before the log: under jit with a sharded batch
     XLA inserts the cross-device reduction, so the value does not depend on the device count.
     """
-    total = jnp.zeros((), jnp.float32)
-    for ci in ci_upper.values():
-        ci = ci.astype(jnp.float32)
-        n_pos = ci.size // ci.shape[-1]
-        S = jnp.sum((ci + eps) ** p, axis=tuple(range(ci.ndim - 1)))
-        total = total + jnp.sum(S / n_pos * (1.0 + beta * jnp.log2(1.0 + S)))
-    return total
+    ci = next(iter(ci_upper.values()))
+    return importance_from_sums(importance_sums(ci_upper, p, eps), ci.size // ci.shape[-1], beta)
 
 
 def mse(out: Array, target: Array) -> Float[Array, ""]:

@@ -7,10 +7,13 @@ the delta channel's mask is the raw source.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from pdecomp import threefry
@@ -33,20 +36,53 @@ def make_plan(kind: str, sites: Sequence[str], sites_per_chunk: int = 0) -> Plan
     raise ValueError(f"unknown plan {kind!r}")
 
 
-def sample_source(key: PRNGKeyArray, kind: str, shape: tuple[int, ...]
-                  ) -> Float[Array, "*pos C1"]:
+class Positions(eqx.Module):
+    """Where the positions of a (micro)batch sit in the step's whole batch: the row-major
+    index of each in the whole batch's positions, and how many the whole batch has. Random
+    draws are indexed by it, so a microbatch draws exactly its rows of the whole draw."""
+
+    index: Array  # uint32 [*pos]
+    total: int = eqx.field(static=True)
+
+    @staticmethod
+    def whole(pos: tuple[int, ...]) -> Positions:
+        n = math.prod(pos)
+        return Positions(jax.lax.iota(jnp.uint32, n).reshape(pos), n)
+
+    @staticmethod
+    def microbatch(pos: tuple[int, ...], n_micro: int, m: Array | int) -> Positions:
+        """Microbatch `m` of `n_micro`, of a batch with positions `pos` ([B] or [B, T]):
+        examples m, m + n, m + 2n, ... (strided, so each device's rows split evenly)."""
+        b = pos[0] // n_micro
+        rest = math.prod(pos[1:])
+        ex = jax.lax.iota(jnp.uint32, b) * np.uint32(n_micro) + jnp.asarray(m, jnp.uint32)
+        within = jax.lax.iota(jnp.uint32, rest).reshape(pos[1:])
+        index = ex.reshape((b,) + (1,) * (len(pos) - 1)) * np.uint32(rest) + within
+        return Positions(index, math.prod(pos))
+
+
+def _uniform(key: PRNGKeyArray, shape: tuple[int, ...], at: Positions | None) -> Array:
+    """U[0, 1) of `shape` = [*pos, width]; with `at`, the rows of the whole batch's draw."""
+    if at is None and math.prod(shape) < 2**32:
+        return threefry.uniform(key, shape)
+    at = at or Positions.whole(shape[:-1])
+    return threefry.uniform_rows(key, at.index, shape[-1], at.total)
+
+
+def sample_source(key: PRNGKeyArray, kind: str, shape: tuple[int, ...],
+                  at: Positions | None = None) -> Float[Array, "*pos C1"]:
     """Source values per channel (the last channel is the delta channel)."""
     if kind == "continuous":
-        return threefry.uniform(key, shape)
+        return _uniform(key, shape, at)
     if kind == "binomial":
-        return threefry.bernoulli(key, 0.5, shape).astype(jnp.float32)
+        return (_uniform(key, shape, at) < 0.5).astype(jnp.float32)
     if kind == "ci":  # deterministic: mask = ci_lower, delta channel off
         return jnp.zeros(shape, jnp.float32)
     raise ValueError(f"unknown source {kind!r}")
 
 
-def sample_routing(key: PRNGKeyArray, kind: str, live: Sequence[str], pos: tuple[int, ...]
-                   ) -> dict[str, Bool[Array, "*pos"] | None]:
+def sample_routing(key: PRNGKeyArray, kind: str, live: Sequence[str], pos: tuple[int, ...],
+                   at: Positions | None = None) -> dict[str, Bool[Array, "*pos"] | None]:
     """`all`: route every live site everywhere. `uniform_k`: per position draw k ~ U{1..n},
     route a uniform k-subset of the n live sites."""
     if kind == "all" or len(live) == 1 and kind == "uniform_k":
@@ -55,9 +91,10 @@ def sample_routing(key: PRNGKeyArray, kind: str, live: Sequence[str], pos: tuple
         raise ValueError(f"unknown routing {kind!r}")
     n = len(live)
     k_key, perm_key = jax.random.split(key)
-    k = jax.random.randint(k_key, pos, 1, n + 1)
+    at = at or Positions.whole(pos)
+    k = 1 + jnp.minimum(_uniform(k_key, (*pos, 1), at)[..., 0] * n, n - 1).astype(jnp.int32)
     # A random rank per site (argsort of uniforms) picks a uniform subset of size k.
-    ranks = jnp.argsort(jnp.argsort(threefry.uniform(perm_key, (*pos, n)), axis=-1), axis=-1)
+    ranks = jnp.argsort(jnp.argsort(_uniform(perm_key, (*pos, n), at), axis=-1), axis=-1)
     routed = ranks < k[..., None]
     return {s: routed[..., i] for i, s in enumerate(live)}
 
@@ -77,10 +114,14 @@ def masks_from_sources(ci_lower: Mapping[str, Float[Array, "*pos C"]],
 
 
 def sample_forward_masks(key: PRNGKeyArray, live: Sequence[str], source: str, routing: str,
-                         ci_lower: Mapping[str, Array], delta: bool) -> dict[str, SiteMask]:
-    """Fresh sources and routing for one forward of a plan."""
+                         ci_lower: Mapping[str, Array], delta: bool,
+                         at: Positions | None = None) -> dict[str, SiteMask]:
+    """Fresh sources and routing for one forward of a plan (`at`: where these positions sit
+    in the whole batch, for a microbatch)."""
     r_key, *s_keys = jax.random.split(key, len(live) + 1)
-    sources = {s: sample_source(k, source, (*ci_lower[s].shape[:-1], ci_lower[s].shape[-1] + 1))
+    sources = {s: sample_source(k, source, (*ci_lower[s].shape[:-1], ci_lower[s].shape[-1] + 1),
+                                at)
                for k, s in zip(s_keys, live)}
     pos = ci_lower[live[0]].shape[:-1]
-    return masks_from_sources(ci_lower, sources, sample_routing(r_key, routing, live, pos), delta)
+    routed = sample_routing(r_key, routing, live, pos, at)
+    return masks_from_sources(ci_lower, sources, routed, delta)

@@ -284,16 +284,16 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
     # Mesh and shardings: the batch split on the data axis; target and state split on it too
     # (mesh.shard_state, FSDP) or replicated.
     mesh = sharding.make_mesh(cfg)
-    shard = cfg.mesh.shard_state
+    layout = sharding.make_layout(cfg, mesh)
     init_key, data_key = jax.random.split(jax.random.PRNGKey(cfg.seed))
 
     # Abstract target and state, with their shardings.
-    target_abs, state_abs = (sharding.place(t, mesh, shard) for t in abstract_run(cfg, init_key))
+    target_abs, state_abs = (sharding.place(t, layout) for t in abstract_run(cfg, init_key))
     batch_sharding = NamedSharding(mesh, P(sharding.AXIS))
 
     # The gate: compile the very step training runs, read its memory, compare to the cap.
     cap, cap_source = gate_cap(cfg, mesh)
-    step_fn = make_train_step(cfg)
+    step_fn = make_train_step(cfg, layout)
     # Host-memory (offload) buffers are not told apart in XLA's dump: offload compiles whole.
     detach = (hooks.detach_gate and cfg.gate.only and cfg.gate.fit == "none"
               and sharding.is_deviceless(cfg) and cfg.memory.remat != "offload")
@@ -319,7 +319,8 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
 
     if cfg.gate.fit == "batch":
         batch_size, compiled, report = gate_lib.fit_batch(
-            compile_at, cfg.data.batch_size, mesh.size, cfg.gate.fit_max_batch)
+            compile_at, cfg.data.batch_size, mesh.size * cfg.optim.microbatches,
+            cfg.gate.fit_max_batch)
         cfg = dc.replace(cfg, data=dc.replace(cfg.data, batch_size=batch_size))
         hooks.log(f"gate.fit=batch: data.batch_size={batch_size}: {report['fit']['why']}")
     else:

@@ -1,23 +1,93 @@
-"""Meshes and shardings: one data axis; the batch split on it, the state split too (FSDP)
-or replicated.
+"""Meshes and shardings: a `data` axis and a `model` axis. The batch splits on `data`;
+components split on `model` along C (logical axis `comp`), so a site's V, U, CI logit head,
+logits, masks and inner activations are never whole on one device; with `shard_state`
+(FSDP) every leaf also splits its largest remaining dimension on `data`.
 
-Everything here works on abstract trees (ShapeDtypeStructs), so the same shardings serve the
-gate's compile, the state's initialisation into place, and checkpoint restore.
+Each array leaf has logical axis names (`logical_axes`); the mesh config's `rules` map them
+to mesh axes. Everything here works on abstract trees (ShapeDtypeStructs), so the same
+shardings serve the gate's compile, the state's initialisation into place, and checkpoint
+restore.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from jaxtyping import Array
 
 from pdecomp import hardware
 from pdecomp.config import ConfigError, RunConfig
 
 AXIS = "data"
+MODEL = "model"
+
+# Logical axis names of a leaf's dimensions, by the end of its path in the state or target
+# (optimizer moments end like the parameter they follow, so they get its names). The
+# adversary's sources are [1|B, (1|T,) C+1]: the delta channel makes their last dimension
+# indivisible, so they split on `data` only.
+LOGICAL: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (r"\.V$", ("embed", "comp")),
+    (r"\.U$", ("comp", "embed")),
+    (r"\.w_out\[\d+\]$", ("ci_embed", "comp")),
+    (r"\.b_out\[\d+\]$", ("comp",)),
+)
+
+
+def logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
+    """The logical names of a leaf's dimensions (None: unnamed)."""
+    for pattern, names in LOGICAL:
+        if re.search(pattern, path) and len(names) == ndim:
+            return names
+    return (None,) * ndim
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A mesh and the rules that map logical axis names onto its axes."""
+
+    mesh: Mesh
+    rules: Mapping[str, str | None]
+    fsdp: bool = False  # split each leaf's largest unnamed dimension on `data` too
+
+    def spec(self, names: Sequence[str | None], shape: tuple[int, ...]) -> P:
+        """Mesh axes for `shape`: a named dimension takes its rule's axis where the axis has
+        more than one device and divides it; with FSDP the largest dimension left then
+        takes `data` where it divides."""
+        axes: list[str | None] = [None] * len(shape)
+        for i, name in enumerate(names):
+            ax = self.rules.get(name) if name else None
+            if ax and ax not in axes and self.mesh.shape.get(ax, 1) > 1 \
+                    and shape[i] % self.mesh.shape[ax] == 0:
+                axes[i] = ax
+        n = self.mesh.shape.get(AXIS, 1)
+        if self.fsdp and n > 1 and AXIS not in axes:
+            for i in sorted(range(len(shape)), key=lambda i: -shape[i]):
+                if axes[i] is None and shape[i] % n == 0:
+                    axes[i] = AXIS
+                    break
+        return P(*axes)
+
+    def constrain(self, x: Array, names: Sequence[str | None]) -> Array:
+        """Pin an intermediate's layout (names for its dimensions, in order)."""
+        if self.mesh.size == 1:
+            return x
+        return jax.lax.with_sharding_constraint(
+            x, NamedSharding(self.mesh, self.spec(names, x.shape)))
+
+    def constrain_positions(self, x: Array) -> Array:
+        """A [*pos, C] tensor: its first position axis on `data`, C on `model`."""
+        return self.constrain(x, ("batch", *(None,) * (x.ndim - 2), "comp"))
+
+
+def make_layout(cfg: RunConfig, mesh: Mesh) -> Layout:
+    return Layout(mesh, dict(cfg.mesh.rules), cfg.mesh.shard_state)
 
 
 def is_deviceless(cfg: RunConfig) -> bool:
@@ -41,42 +111,38 @@ def check_target(cfg: RunConfig) -> None:
 
 
 def make_mesh(cfg: RunConfig) -> Mesh:
-    """The run's 1-d data mesh.
+    """The run's data x model mesh (`mesh.model` devices on the model axis, the rest on data).
 
     Deviceless: `mesh.hosts x mesh.gpus_per_host` compile-only GPUs of `gate.target`.
-    Local: `mesh.data` devices, else the planned hosts x gpus_per_host when given, else the
-    most devices that divide the batch.
+    Local: `mesh.data` x `mesh.model` devices, else the planned hosts x gpus_per_host when
+    given, else the most devices that divide the batch (times the model axis).
     """
     me = cfg.mesh
     if is_deviceless(cfg):  # preflight's check_target made the compile plugin available
-        return hardware.topology_mesh(cfg.gate.target, me.hosts, max(me.gpus_per_host, 1), AXIS)
+        total = me.hosts * max(me.gpus_per_host, 1)
+        return hardware.topology_mesh(cfg.gate.target, me.hosts, max(me.gpus_per_host, 1),
+                                      ((AXIS, total // me.model), (MODEL, me.model)))
     devices = jax.devices()
-    n = me.data or (me.hosts * me.gpus_per_host if me.gpus_per_host else
-                    max(k for k in range(1, len(devices) + 1) if cfg.data.batch_size % k == 0))
+    micro = cfg.data.batch_size // cfg.optim.microbatches
+    n = (me.data * me.model if me.data else
+         me.hosts * me.gpus_per_host if me.gpus_per_host else
+         me.model * max(k for k in range(1, len(devices) // me.model + 1) if micro % k == 0))
     processes = {d.process_index for d in devices[:n]}
     if len(processes) < jax.process_count():  # a process with no device would have no work
         raise ConfigError("mesh.data", n, f"the mesh must take devices of all "
                           f"{jax.process_count()} processes of this job ({len(devices)} "
                           f"devices): make data.batch_size a multiple of {len(devices)}")
-    return Mesh(np.array(devices[:n]), (AXIS,))
+    return Mesh(np.array(devices[:n]).reshape(n // me.model, me.model), (AXIS, MODEL))
 
 
-def fsdp_spec(shape: tuple[int, ...], n: int) -> P:
-    """Split the largest dimension that `n` divides; replicate a leaf that has none."""
-    for i in sorted(range(len(shape)), key=lambda i: -shape[i]):
-        if n > 1 and shape[i] % n == 0:
-            return P(*(AXIS if j == i else None for j in range(len(shape))))
-    return P()
-
-
-def place(tree: Any, mesh: Mesh, shard: bool) -> Any:
+def place(tree: Any, layout: Layout) -> Any:
     """ShapeDtypeStructs of `tree`'s array leaves carrying their shardings."""
 
-    def leaf(x):
-        spec = fsdp_spec(x.shape, mesh.size) if shard else P()
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+    def leaf(path, x):
+        spec = layout.spec(logical_axes(jax.tree_util.keystr(path), x.ndim), x.shape)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(layout.mesh, spec))
 
-    return jax.tree.map(leaf, tree)
+    return jax.tree_util.tree_map_with_path(leaf, tree)
 
 
 def shardings(tree_abs: Any) -> Any:

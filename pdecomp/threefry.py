@@ -58,15 +58,43 @@ def _fused(key: PRNGKeyArray, shape: tuple[int, ...]) -> bool:
                                          "threefry2x32") == "threefry2x32"
 
 
+def uniform_rows(key: PRNGKeyArray, rows: Array, width: int, n_rows: int
+                 ) -> Float[Array, "..."]:  # noqa: UP037 - a jaxtyping shape
+    """Rows `rows` (uint32 indices, any shape) of `uniform(key, (n_rows, width))`, as
+    [*rows.shape, width], without drawing the other rows.
+
+    A microbatch, or a shard, draws exactly its own part of the whole batch's values, so a
+    step split into microbatches sees the numbers of the unsplit step. Below 2^32 elements
+    the counter is the element's row-major index (jax's values, as `uniform`); above, where
+    that index needs two words, the counter is the pair (row, column): the values then differ
+    from jax.random's, but are still the same for every split of the rows.
+    """
+    if not _fused(key, (1,)):
+        return jax.random.uniform(key, (n_rows, width), jnp.float32)[rows]
+    k = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+    rows = rows.astype(jnp.uint32)[..., None]
+    col = jax.lax.broadcasted_iota(jnp.uint32, (*rows.shape[:-1], width), rows.ndim - 1)
+    if n_rows * width < 2**32:
+        hi, lo = jnp.zeros_like(col), rows * np.uint32(width) + col
+    else:
+        hi, lo = jnp.broadcast_to(rows, col.shape), col
+    hi, lo = _threefry2x32(k[0], k[1], hi, lo)
+    return _to_unit(hi ^ lo)
+
+
+def _to_unit(bits: Array) -> Array:
+    # 23 random mantissa bits under exponent 0: a float in [1, 2), minus 1
+    one_to_two = (bits >> np.uint32(9)) | np.uint32(0x3F800000)
+    return jax.lax.bitcast_convert_type(one_to_two, jnp.float32) - 1.0
+
+
 def uniform(key: PRNGKeyArray, shape: tuple[int, ...], minval: float = 0.0,
             maxval: float = 1.0) -> Float[Array, "..."]:  # noqa: UP037 - a jaxtyping shape
     """U[minval, maxval) in float32, equal to `jax.random.uniform(key, shape, jnp.float32,
     minval, maxval)`."""
     if not _fused(key, shape):
         return jax.random.uniform(key, shape, jnp.float32, minval, maxval)
-    # 23 random mantissa bits under exponent 0: a float in [1, 2)
-    one_to_two = (_bits(key, shape) >> np.uint32(9)) | np.uint32(0x3F800000)
-    unit = jax.lax.bitcast_convert_type(one_to_two, jnp.float32) - 1.0
+    unit = _to_unit(_bits(key, shape))
     lo, hi = jnp.float32(minval), jnp.float32(maxval)
     return jnp.maximum(lo, unit * (hi - lo) + lo)
 

@@ -15,8 +15,10 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -35,7 +37,14 @@ from pdecomp.components import (
     with_tied,
 )
 from pdecomp.config import OptGroupConfig, PGDConfig, RunConfig, site_C, tied_sites
-from pdecomp.masks import Plan, make_plan, masks_from_sources, sample_forward_masks
+from pdecomp.masks import (
+    Plan,
+    Positions,
+    make_plan,
+    masks_from_sources,
+    sample_forward_masks,
+)
+from pdecomp.sharding import Layout
 
 
 class Adversary(eqx.Module):
@@ -86,6 +95,9 @@ class StepSpec:
     compute_dtype: str
     remat: str
     remat_names: tuple[str, ...]
+    microbatches: int
+    stream_ci: bool
+    remat_layers: bool
 
     @staticmethod
     def from_config(cfg: RunConfig) -> StepSpec:
@@ -100,7 +112,9 @@ class StepSpec:
                         lo.faithfulness_coeff, lo.imp_min_coeff,
                         (lo.p_start, lo.p_end, lo.p_anneal_start_frac, lo.p_anneal_end_frac),
                         lo.beta, lo.eps, cfg.optim.steps, cfg.memory.compute_dtype,
-                        cfg.memory.remat, tuple(cfg.memory.remat_names))
+                        cfg.memory.remat, tuple(cfg.memory.remat_names),
+                        cfg.optim.microbatches, cfg.memory.stream_ci,
+                        cfg.memory.remat_layers)
 
 
 def remat_policy(kind: str, names: Sequence[str]) -> Callable | None | bool:
@@ -252,8 +266,18 @@ def faithfulness_warmup(cfg: RunConfig, components: Components, target) -> Compo
     return run(components, weights)
 
 
-def make_train_step(cfg: RunConfig) -> Callable:
-    """The pure train step for `cfg`: (state, target, batch) -> (state, metrics)."""
+class Observed(NamedTuple):
+    """What the clean forward of one (micro)batch gives every other part of the step."""
+
+    resid: Array  # the residual entering the first site layer (LMs) or the input (toys)
+    site_inputs: dict[str, Array]
+    streams: dict[int, Array]  # LMs: the residual entering each site layer
+    recon_target: Array
+
+
+def make_train_step(cfg: RunConfig, layout: Layout | None = None) -> Callable:
+    """The pure train step for `cfg`: (state, target, batch) -> (state, metrics). With a
+    `layout`, every [*pos, C] tensor is pinned to its batch-on-data, C-on-model sharding."""
     spec = StepSpec.from_config(cfg)
     comp_opt = optimizer(cfg.optim.components, cfg.optim.steps)
     ci_opt = optimizer(cfg.optim.ci_fn, cfg.optim.steps)
@@ -262,95 +286,234 @@ def make_train_step(cfg: RunConfig) -> Callable:
     threshold = cfg.loss.ci_threshold
     policy = remat_policy(spec.remat, spec.remat_names)
     lr_pgd = pgd_lr(spec.pgd, spec.total_steps) if spec.pgd else None
+    tied = dict(spec.tied)
+    n_micro = spec.microbatches
+    pin = layout.constrain_positions if layout is not None else (lambda x: x)
 
     def train_step(state: TrainState, target, batch: Array) -> tuple[TrainState, dict]:
         key, step_key = jax.random.split(state.key)
-        prefix, suffix = target.split(spec.sites, dtype)
+        prefix, suffix = target.split(spec.sites, dtype, spec.remat_layers)
+        weights = target.site_weights()
+        p = losses.p_at(state.step, spec.total_steps, *spec.p)
 
         # 1. Outside every gradient graph: the residual start, then the clean forward,
         # which gives the recon target and the CI function's inputs.
-        resid = jax.lax.stop_gradient(prefix(batch))
-        recorded: dict[str, Array] = {}
-        streams: dict[int, Array] = {}  # LMs: the residual entering each site layer
-        clean = suffix(resid, recording_linear(recorded), streams=streams)
-        site_inputs = jax.lax.stop_gradient({s: recorded[s] for s in spec.sites})
-        streams = jax.lax.stop_gradient(streams)
-        recon_target = jax.lax.stop_gradient(losses.recon_target(spec.distance, clean))
+        def observe(batch: Array) -> Observed:
+            resid = jax.lax.stop_gradient(prefix(batch))
+            recorded: dict[str, Array] = {}
+            streams: dict[int, Array] = {}
+            clean = suffix(resid, recording_linear(recorded), streams=streams)
+            return jax.lax.stop_gradient(Observed(
+                resid, {s: recorded[s] for s in spec.sites}, streams,
+                losses.recon_target(spec.distance, clean)))
 
-        def forward_distance(components: Components, deltas: dict, masks: dict,
-                             streams: dict, recon_target: Array) -> Array:
-            # A forward starts at its first live layer, from the clean stream there.
-            out = suffix(resid, masked_linear(components, masks, deltas), streams=streams,
-                         live=tuple(masks))
-            return distance(out, recon_target)
+        # Microbatch m holds examples m, m + n, m + 2n, ...: every device keeps its own rows.
+        # Each pass over the batch runs one compiled body per microbatch, re-running the
+        # clean forward rather than keeping n of them; with one microbatch the clean forward
+        # runs once and every pass reads it.
+        def microbatch(x: Array, m: Array) -> Array:
+            return x.reshape(x.shape[0] // n_micro, n_micro, *x.shape[1:])[:, m]
+
+        whole = observe(batch) if n_micro == 1 else None
+        some = whole if whole is not None else jax.eval_shape(
+            lambda: observe(microbatch(batch, 0)))
+        pos = next(iter(some.site_inputs.values())).shape[:-1]  # a microbatch's positions
+        n_pos = math.prod(pos) * n_micro
+
+        def over_microbatches(body: Callable, carry, prepare: Callable = lambda o: o,
+                              prepared=None):
+            """carry = body(carry, prepare(observed), m, positions) for every microbatch;
+            `prepared`: prepare(whole) already computed (one microbatch)."""
+            if n_micro == 1:
+                return body(carry, prepare(whole) if prepared is None else prepared, 0, None)
+
+            def scan_body(carry, m):
+                at = Positions.microbatch((pos[0] * n_micro, *pos[1:]), n_micro, m)
+                return body(carry, prepare(observe(microbatch(batch, m))), m, at), None
+
+            return jax.lax.scan(scan_body, carry, jnp.arange(n_micro))[0]
+
+        def source_rows(src: Array, m) -> Array:
+            """A per-example source's rows for microbatch m; shared ones as they are."""
+            return src if n_micro == 1 or src.shape[0] == 1 else microbatch(src, m)
+
+        def site_lower(ci, live, components) -> dict[str, Array]:
+            """ci_lower of the live sites: read from `ci` (a dict of every site's), or, when
+            the step streams its CI, recomputed from `ci` = (CI function, its features)."""
+            if isinstance(ci, dict):
+                return {s: ci[s] for s in live}
+            ci_fn, features = ci
+            return {s: ci_lower(pin(ci_fn.site_logits(features, s, components))) for s in live}
+
+        # A recon forward samples its masks inside the rematerialized function, so the
+        # backward redraws them from their key instead of keeping them for every forward.
+        def recon_distance(live, source, routing, components, deltas, ci, key, obs, at):
+            lower = site_lower(ci, live, components)
+            masks = sample_forward_masks(key, live, source, routing, lower, spec.delta, at)
+            masks = {s: m._replace(mask=pin(m.mask)) for s, m in masks.items()}
+            out = suffix(obs.resid, masked_linear(components, masks, deltas),
+                         streams=obs.streams, live=tuple(masks))
+            return distance(out, obs.recon_target)
+
+        def pgd_distance(components, deltas, ci, sources, obs):
+            lower = site_lower(ci, tuple(sources), components)
+            masks = masks_from_sources(lower, sources, {s: None for s in sources}, spec.delta)
+            out = suffix(obs.resid, masked_linear(components, masks, deltas),
+                         streams=obs.streams, live=tuple(masks))
+            return distance(out, obs.recon_target)
 
         if policy is not False:  # rematerialize: the backward reruns each forward
-            forward_distance = jax.checkpoint(forward_distance, policy=policy)
+            recon_distance = jax.checkpoint(recon_distance, policy=policy,
+                                            static_argnums=(0, 1, 2))
+            pgd_distance = jax.checkpoint(pgd_distance, policy=policy)
 
-        def pgd_distance(components, deltas, lower, sources):
-            masks = masks_from_sources(lower, sources, {s: None for s in sources}, spec.delta)
-            return forward_distance(components, deltas, masks, streams, recon_target)
+        def l0_of(lower: Array) -> Array:
+            return jnp.mean(jnp.sum(lower > threshold, axis=-1).astype(jnp.float32))
+
+        def site_sums(ci_fn, features, components, s):
+            """One site's imp-min sums S_c and L0, its logits gone once they are taken
+            (rematerialized: the backward recomputes them)."""
+            logits = pin(ci_fn.site_logits(features, s, components))
+            S = losses.importance_sums({s: ci_upper(logits)}, p, spec.eps)[s]
+            return S, jax.lax.stop_gradient(l0_of(ci_lower(logits)))
+
+        if spec.stream_ci:
+            site_sums = jax.checkpoint(site_sums, static_argnums=(3,))
+
+        def add(acc, x):  # a running sum over microbatches (None: the first)
+            return x if acc is None else jax.tree.map(jnp.add, acc, x)
+
+        def zeros_like(tree):
+            return None if n_micro == 1 else jax.tree.map(jnp.zeros_like, tree)
+
+        # The weight deltas W − V@U are shared by every forward and by faithfulness: computed
+        # once, their gradient summed over the microbatches, then pulled back through V@U.
+        stepped = optimized_components(cfg, state.components)
+        deltas, deltas_vjp = jax.vjp(
+            lambda c: weight_deltas(weights, with_tied(c, tied)), stepped)
+        faith, g_faith = jax.value_and_grad(losses.faithfulness)(deltas)
+
+        # 2'. Imp-min's log term needs S_c over the whole batch: with microbatches, a first
+        # pass sums them, and each microbatch's backward then takes dI/dS_c as a constant
+        # (exact: I depends on the batch only through the S_c).
+        imp_grad = None
+        if n_micro > 1:
+            comps = jax.lax.stop_gradient(with_tied(state.components, tied))
+
+            def sums(acc, obs, m, at):
+                if spec.stream_ci:  # one site's logits at a time
+                    features = state.ci_fn.features(obs.site_inputs)
+                    S = {s: site_sums(state.ci_fn, features, comps, s)[0] for s in spec.sites}
+                else:
+                    upper = {s: ci_upper(v)
+                             for s, v in state.ci_fn(obs.site_inputs, comps).items()}
+                    S = losses.importance_sums(upper, p, spec.eps)
+                return jax.tree.map(jnp.add, acc, S)
+
+            S = over_microbatches(sums, {s: jnp.zeros((c,), jnp.float32)
+                                         for s, c in site_C(cfg).items()})
+            imp_value, imp_grad = jax.value_and_grad(losses.importance_from_sums)(
+                S, n_pos, spec.beta)
 
         # 3. The adversary's warmup ascents, against detached components and CI (a loop,
-        # not unrolled: one compiled ascent however many there are).
+        # not unrolled: one compiled ascent however many there are), each on the gradient
+        # of the whole batch.
         adversary = state.adversary
         if spec.pgd:
             lr = lr_pgd(state.step)
-            comps = jax.lax.stop_gradient(with_tied(state.components, dict(spec.tied)))
-            deltas = jax.lax.stop_gradient(weight_deltas(target.site_weights(), comps))
-            lower = jax.lax.stop_gradient({s: ci_lower(v) for s, v in
-                                           state.ci_fn(site_inputs, comps).items()})
+            comps = jax.lax.stop_gradient(with_tied(state.components, tied))
+            fixed_deltas = jax.lax.stop_gradient(deltas)
+
+            def detached(obs):
+                if spec.stream_ci:
+                    return obs, (state.ci_fn, jax.lax.stop_gradient(
+                        state.ci_fn.features(obs.site_inputs)))
+                return obs, jax.lax.stop_gradient(
+                    {s: ci_lower(v) for s, v in state.ci_fn(obs.site_inputs, comps).items()})
+
+            prepared = detached(whole) if n_micro == 1 else None
 
             def warmup_ascent(_, adv):
-                g = jax.grad(lambda src: pgd_distance(comps, deltas, lower, src))(adv.sources)
+                def grad_of(acc, inputs, m, at):
+                    obs, ci = inputs
+                    g = jax.grad(lambda src: pgd_distance(
+                        comps, fixed_deltas, ci,
+                        {s: source_rows(v, m) for s, v in src.items()}, obs))(adv.sources)
+                    return add(acc, jax.tree.map(lambda x: x / n_micro, g))
+
+                g = over_microbatches(grad_of, zeros_like(adv.sources), detached, prepared)
                 return ascend(adv, g, lr, spec.pgd.optimizer)
 
             adversary = jax.lax.fori_loop(0, spec.pgd.n_warmup, warmup_ascent, adversary)
 
-        def loss_fn(params, key, step):
-            stepped_components, ci_fn, sources = params
+        def loss_fn(params, obs, m, at):
+            stepped_components, ci_fn, sources, deltas = params
             # Shared tied update: the followers are built here, so both sites' gradients
             # sum on the owned parameters. Per-site: they came in with the stepped
             # components (optimized_components), with gradients of their own.
-            components = with_tied(stepped_components, dict(spec.tied))
-            # 2. Causal importances.
-            logits = ci_fn(site_inputs, components)
-            lower = {s: ci_lower(v) for s, v in logits.items()}
-            upper = {s: ci_upper(v) for s, v in logits.items()}
-            # 4. Losses.
-            p = losses.p_at(step, spec.total_steps, *spec.p)
-            deltas = weight_deltas(target.site_weights(), components)
-            terms = {
-                "faithfulness": losses.faithfulness(deltas),
-                "imp_min": losses.importance_minimality(upper, p, spec.eps, spec.beta),
-            }
-            total = spec.faith_coeff * terms["faithfulness"] + spec.imp_coeff * terms["imp_min"]
-            term_keys = jax.random.split(key, max(len(spec.recon), 1))
+            components = with_tied(stepped_components, tied)
+            # 2. Causal importances, and imp-min's sums and the L0s from them.
+            features = ci_fn.features(obs.site_inputs, spec.remat_layers)
+            if spec.stream_ci:
+                ci = (ci_fn, features)
+                S, l0 = {}, {}
+                for s in spec.sites:
+                    S[s], l0[s] = site_sums(ci_fn, features, components, s)
+            else:
+                logits = {s: pin(ci_fn.site_logits(features, s, components))
+                          for s in spec.sites}
+                ci = {s: ci_lower(v) for s, v in logits.items()}
+                S = losses.importance_sums({s: ci_upper(v) for s, v in logits.items()},
+                                           p, spec.eps)
+                l0 = {s: l0_of(v) for s, v in ci.items()}
+            # 4. Losses: this microbatch's share of the batch means.
+            if imp_grad is None:
+                imp = losses.importance_from_sums(S, n_pos, spec.beta)
+                terms = {"imp_min": imp}
+            else:
+                imp = sum(jnp.sum(imp_grad[s] * S[s]) for s in S)
+                terms = {}
+            total = spec.imp_coeff * imp
+            term_keys = jax.random.split(step_key, max(len(spec.recon), 1))
             for term, term_key in zip(spec.recon, term_keys):
                 fwd_keys = jax.random.split(term_key, len(term.plan))
-                ds = []
-                for live, fwd_key in zip(term.plan, fwd_keys):
-                    masks = sample_forward_masks(fwd_key, live, term.source, term.routing,
-                                                 lower, spec.delta)
-                    ds.append(forward_distance(components, deltas, masks, streams,
-                                               recon_target))
-                terms[f"recon_{term.name}"] = sum(ds) / len(ds)
+                ds = [recon_distance(live, term.source, term.routing, components, deltas,
+                                     ci, fwd_key, obs, at)
+                      for live, fwd_key in zip(term.plan, fwd_keys)]
+                terms[f"recon_{term.name}"] = sum(ds) / len(ds) / n_micro
                 total = total + term.coeff * terms[f"recon_{term.name}"]
             if spec.pgd:
-                terms["pgd"] = pgd_distance(components, deltas, lower, sources)
+                terms["pgd"] = pgd_distance(
+                    components, deltas, ci,
+                    {s: source_rows(v, m) for s, v in sources.items()}, obs) / n_micro
                 total = total + spec.pgd.coeff * terms["pgd"]
-            terms["total"] = total
-            l0 = {s: jnp.mean(jnp.sum(v > threshold, axis=-1).astype(jnp.float32))
-                  for s, v in lower.items()}
-            return total, (terms, l0, p)
+            return total, (terms, {s: v / n_micro for s, v in l0.items()})
 
         sources = adversary.sources if adversary is not None else None
-        params = (optimized_components(cfg, state.components), state.ci_fn, sources)
+        params = (stepped, state.ci_fn, sources, deltas)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (_, (terms, l0, p)), (g_comp, g_ci, g_src) = grad_fn(params, step_key, state.step)
+
+        def accumulate(acc, obs, m, at):
+            (_, aux), g = grad_fn(params, obs, m, at)
+            return add(acc, (g, aux))
+
+        zero = jnp.zeros((), jnp.float32)
+        aux = ({**{f"recon_{t.name}": zero for t in spec.recon}, **({"pgd": zero} if spec.pgd
+                                                                    else {})},
+               {s: zero for s in spec.sites})
+        init = zeros_like((params, aux))
+        (g_comp, g_ci, g_src, g_deltas), (terms, l0) = over_microbatches(accumulate, init)
+        # Faithfulness and every forward's gradient on the deltas, pulled back through V@U.
+        g_deltas = jax.tree.map(lambda a, b: a + spec.faith_coeff * b, g_deltas, g_faith)
+        g_comp = jax.tree.map(jnp.add, g_comp, deltas_vjp(g_deltas)[0])
+        terms = {"faithfulness": faith,
+                 "imp_min": terms.pop("imp_min") if imp_grad is None else imp_value, **terms}
+        terms["total"] = (spec.faith_coeff * faith + spec.imp_coeff * terms["imp_min"]
+                          + sum(t.coeff * terms[f"recon_{t.name}"] for t in spec.recon)
+                          + (spec.pgd.coeff * terms["pgd"] if spec.pgd else 0.0))
         # 5. Separate optimizers: components clipped and scheduled apart from the CI fn; the
         # sources ascend on their own gradient, unscaled by the term's coefficient.
-        upd, comp_state = comp_opt.update(g_comp, state.comp_opt, params[0])
+        upd, comp_state = comp_opt.update(g_comp, state.comp_opt, stepped)
         components = apply_component_updates(cfg, state.components, upd)
         upd, ci_state = ci_opt.update(g_ci, state.ci_opt, state.ci_fn)
         ci_fn = optax.apply_updates(state.ci_fn, upd)

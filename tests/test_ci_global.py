@@ -94,7 +94,7 @@ def test_gradient_reaches_every_parameter(net):
 
     grads = eqx.filter_jit(eqx.filter_grad(loss))(net)
     leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(grads, eqx.is_array))
-    assert len(leaves) == 13
+    assert len(leaves) == 11 + 2 * len(C)  # 11 shared, a logit head (w, b) per site
     for path, g in leaves:
         g = np.asarray(g)
         assert np.all(np.isfinite(g)), path
@@ -114,7 +114,7 @@ def test_blocks_are_residual(net):
     normed = [v * jax.lax.rsqrt(jnp.mean(v * v, -1, keepdims=True) + 1e-6) for v in x.values()]
     h = jnp.concatenate(normed, -1) @ net.w_in + net.b_in
     h = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6) * net.final_norm
-    logits = h @ net.w_out + net.b_out
+    logits = h @ jnp.concatenate(net.w_out, -1) + jnp.concatenate(net.b_out)
     expected = dict(zip(C, jnp.split(logits, [4, 6], axis=-1), strict=True))
     assert max_diff(fwd(zeroed, x), expected) < 1e-5
 
@@ -166,7 +166,9 @@ def test_site_order_follows_mappings():
     d = SIZES["d_model"]
     w_out = jnp.zeros((d, sum(C.values()))).at[:, C["a"]:C["a"] + C["b"]].set(1.0)
     b_out = jnp.arange(sum(C.values()), dtype=jnp.float32)
-    net = eqx.tree_at(lambda n: (n.w_out, n.b_out), net, (w_out, b_out))
+    split = [C["a"], C["a"] + C["b"]]
+    net = eqx.tree_at(lambda n: (n.w_out, n.b_out), net,
+                      (tuple(jnp.split(w_out, split, 1)), tuple(jnp.split(b_out, split))))
     out = fwd(net, inputs())
     # site "a" owns columns 0..3 (bias only), "b" owns 4..5 (reads w_out), "c" owns 6..12
     np.testing.assert_allclose(out["a"], jnp.broadcast_to(b_out[:4], (B, T, 4)), atol=0)
@@ -178,13 +180,14 @@ FSDP_SCRIPT = """
 import jax, jax.numpy as jnp, numpy as np, equinox as eqx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from pdecomp.ci_global import GlobalCITransformer
-from pdecomp.sharding import AXIS, fsdp_spec
+from pdecomp.sharding import AXIS, Layout
 D_IN, C = {"a": 5, "b": 8, "c": 3}, {"a": 4, "b": 2, "c": 8}
 net = GlobalCITransformer.init(jax.random.key(0), D_IN, C, d_model=16, n_blocks=2,
                                n_heads=4, d_mlp=32)
 mesh = Mesh(np.array(jax.devices()), (AXIS,))
 params, static = eqx.partition(net, eqx.is_array)
-shard = lambda p: jax.device_put(p, NamedSharding(mesh, fsdp_spec(p.shape, mesh.size)))
+layout = Layout(mesh, {}, fsdp=True)
+shard = lambda p: jax.device_put(p, NamedSharding(mesh, layout.spec((None,) * p.ndim, p.shape)))
 sharded = eqx.combine(jax.tree.map(shard, params), static)
 assert any(p.sharding.spec != P() for p in jax.tree.leaves(eqx.filter(sharded, eqx.is_array)))
 keys = jax.random.split(jax.random.key(1), 3)

@@ -1,0 +1,102 @@
+"""Gradient accumulation (`optim.microbatches`): the step over n microbatches is the
+whole-batch step, imp-min's log term over the whole batch and the PGD ascents included."""
+
+from __future__ import annotations
+
+import dataclasses as dc
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_lm import tiny_cfg, tokens
+
+from pdecomp import targets
+from pdecomp.config import ConfigError, OptGroupConfig, RunConfig, validate
+from pdecomp.masks import Positions, sample_forward_masks
+from pdecomp.train import init_state, make_train_step
+
+# lr 1 and Adam's eps 1e-3: the first update is g / (|g| + 1e-3), smooth in the gradient, so the
+# updated state compares gradients. (With eps 1e-8 the first step is sign(g), where a
+# gradient element that cancels to ~0 may take either sign on any summation order.)
+LINEAR_ADAM = OptGroupConfig(lr=1.0, eps=1e-3, warmup_frac=0.0, schedule="constant")
+
+
+def with_microbatches(cfg: RunConfig, n: int) -> RunConfig:
+    return dc.replace(cfg, optim=dc.replace(cfg.optim, microbatches=n))
+
+
+def one_step(cfg: RunConfig, target, batch):
+    state = init_state(jax.random.PRNGKey(1), cfg, target)
+    new, metrics = jax.jit(make_train_step(cfg))(state, target, batch)
+    return state, new, metrics
+
+
+def assert_same_step(cfg: RunConfig, target, batch, n: int) -> None:
+    old, whole, m_whole = one_step(cfg, target, batch)
+    _, split, m_split = one_step(with_microbatches(cfg, n), target, batch)
+    assert set(m_whole) == set(m_split)
+    for k in m_whole:  # every loss term, the L0s, the gradient norm
+        np.testing.assert_allclose(m_split[k], m_whole[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    # the updates themselves (state - old state), leaf by leaf, against the largest update
+    paths = jax.tree_util.tree_leaves_with_path(whole)
+    for (path, a), b, o in zip(paths, jax.tree.leaves(split), jax.tree.leaves(old),
+                               strict=True):
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            np.testing.assert_array_equal(a, b)
+            continue
+        d_whole = np.asarray(a, np.float64) - np.asarray(o, np.float64)
+        d_split = np.asarray(b, np.float64) - np.asarray(o, np.float64)
+        # The adversary's ascent is Adam with eps 1e-8 (not configurable): sign-like, so its
+        # sources compare against their own scale ([0, 1]), not against their update's.
+        adversary = path[0].name == "adversary"
+        scale = max(np.abs(a).max() if adversary else np.abs(d_whole).max(), 1e-6)
+        err = np.abs(d_split - d_whole).max() / scale
+        assert err <= 1e-5, f"{jax.tree_util.keystr(path)}: relative error {err:.2e}"
+
+
+def test_llama_tiny_step_over_microbatches_is_the_whole_batch_step():
+    """Chunkwise uniform-k recon, persistent PGD (2 warmup ascents, sources shared by the
+    batch, so every ascent sums all microbatches' gradients) and the global CI transformer,
+    as the llama_tiny preset runs them; 4 microbatches of 2 sequences."""
+    cfg = tiny_cfg(scope="batch_shared")
+    layers = dc.replace(cfg.layers, ci_fn="global_transformer", ci_d_model=16, ci_blocks=1,
+                        ci_heads=2, ci_mlp=32)
+    cfg = dc.replace(cfg, layers=layers, data=dc.replace(cfg.data, batch_size=8),
+                     optim=dc.replace(cfg.optim, components=LINEAR_ADAM, ci_fn=LINEAR_ADAM))
+    target = targets.init_target(jax.random.PRNGKey(0), cfg.model)
+    assert_same_step(cfg, target, tokens(cfg), 4)
+
+
+def test_tms_step_over_microbatches_is_the_whole_batch_step():
+    """TMS 5-2 as `make run` trains it (tied components, both recon plans, imp-min)."""
+    base = RunConfig()
+    cfg = dc.replace(base, data=dc.replace(base.data, batch_size=256),
+                     optim=dc.replace(base.optim, components=LINEAR_ADAM, ci_fn=LINEAR_ADAM))
+    target = targets.init_target(jax.random.PRNGKey(0), cfg.model)
+    x = targets.sample_inputs(jax.random.PRNGKey(2), cfg.model, 256)
+    assert_same_step(cfg, target, x, 8)
+
+
+def test_a_microbatch_draws_its_rows_of_the_whole_batch_masks():
+    lower = {s: jax.random.uniform(jax.random.PRNGKey(i), (8, 5, 6)) for i, s in
+             enumerate("abc")}
+    key = jax.random.PRNGKey(3)
+    whole = sample_forward_masks(key, tuple(lower), "continuous", "uniform_k", lower, True)
+    for m in range(4):
+        rows = {s: v[m::4] for s, v in lower.items()}
+        part = sample_forward_masks(key, tuple(lower), "continuous", "uniform_k", rows, True,
+                                    Positions.microbatch((8, 5), 4, m))
+        for s in lower:
+            for a, b in zip(part[s], whole[s], strict=True):
+                np.testing.assert_array_equal(a, b[m::4])
+
+
+def test_microbatches_must_divide_the_batch_and_leave_every_device_rows():
+    cfg = with_microbatches(RunConfig(), 3)  # batch 4096
+    with pytest.raises(ConfigError, match="optim.microbatches"):
+        validate(cfg)
+    cfg = dc.replace(with_microbatches(RunConfig(), 4096),
+                     mesh=dc.replace(RunConfig().mesh, data=2))
+    with pytest.raises(ConfigError, match="in each of optim.microbatches=4096"):
+        validate(cfg, n_devices=2)
