@@ -1,11 +1,12 @@
 """The Llama-3.1-8B layers 18-26 chunkwise preset, gated deviceless for 64 B200s.
 
-`pdecomp +experiment=llama8b_l18-26_chunkwise gate.only=true gate.target=b200 mesh=fsdp64`
-end to end at batch 64/128/256 and seq 512/2048, beside the per-device peaks the seed's
-own AOT probe reported (remat on, no donation); then what each memory knob changes at
-B=128, seq 512, as a ratio against the preset. Prints two tables and writes the rows to
-bench/llama_gate.json. Run: `make bench` (needs `make install-gpu-compile`), about 20 min
-on a 2-core host.
+`pdecomp +experiment=llama8b_l18-26_chunkwise gate.only=true gate.target=b200 mesh=fsdp8x8`
+end to end at seq 512/2048 and batch 64-512 (the preset's 16 microbatches; 8 at batch 64,
+whose 16 would leave a microbatch fewer examples than the 8 data-axis devices), beside the
+per-device peaks the seed's own AOT probe reported (remat on, no donation); then what each
+memory knob changes at seq 2048, batch 256, as ratios of the peak and of XLA's FLOP count
+against the preset. Prints two tables and writes the rows to bench/llama_gate.json. Run:
+`make bench` (needs `make install-gpu-compile`), about 30 min on a 2-core host.
 """
 
 from __future__ import annotations
@@ -20,19 +21,20 @@ from rich.table import Table
 
 from pdecomp.units import GiB
 
-BASE = ["+experiment=llama8b_l18-26_chunkwise", "gate.target=b200", "mesh=fsdp64"]
+BASE = ["+experiment=llama8b_l18-26_chunkwise", "gate.target=b200", "mesh=fsdp8x8"]
 # The seed's probe (64 B200, remat on, no buffer donation), GiB per device.
 SEED = {(512, 64): "144.8", (512, 128): "144.8-150.3", (512, 256): "150.3",
         (2048, 64): "179.0", (2048, 128): "210.2"}
+SHAPES = [(seq, batch, 8 if batch == 64 else 16) for seq in (512, 2048)
+          for batch in (64, 128, 256, 512)] + [(2048, 512, 32)]
+KNOB_AT = ["data.seq_len=2048", "data.batch_size=256"]
 KNOBS: list[tuple[str, list[str]]] = [
-    ("preset (remat full, bf16 target + compute, donate)", []),
-    ("memory.remat=none", ["memory.remat=none"]),
-    ("memory.remat=save_dots", ["memory.remat=save_dots"]),
-    ("memory.remat=names [layer_out]", ["memory.remat=names"]),
-    ("memory.remat=offload [layer_out]", ["memory.remat=offload"]),
-    ("memory.target_dtype=float32", ["memory.target_dtype=float32"]),
-    ("memory.compute_dtype=float32", ["memory.compute_dtype=float32"]),
-    ("memory.donate=false", ["memory.donate=false"]),
+    ("preset (fsdp8x8, 16 microbatches, stream_ci, remat_layers, remat full)", []),
+    ("memory.stream_ci=false", ["memory.stream_ci=false"]),
+    ("memory.remat_layers=false", ["memory.remat_layers=false"]),
+    ("optim.microbatches=8", ["optim.microbatches=8"]),
+    ("mesh=fsdp64 (no model axis), optim.microbatches=4", ["mesh=fsdp64",
+                                                           "optim.microbatches=4"]),
 ]
 
 
@@ -41,35 +43,44 @@ def gib(rep: dict, key: str) -> str:
 
 
 def main() -> None:
-    console = Console(width=140)
+    console = Console(width=150)
     rows = []
-    shapes = Table(title="llama8b_l18-26_chunkwise on 64 x B200 (deviceless), per device")
-    for col in ("seq", "batch", "peak GiB", "seed GiB", "temp GiB", "argument GiB", "alias GiB",
-                "fits (cap 160.5)", "compile s", "wall s"):
+    shapes = Table(title="llama8b_l18-26_chunkwise on 64 x B200 (deviceless, mesh fsdp8x8), "
+                         "per device")
+    for col in ("seq", "batch", "microbatches", "peak GiB", "seed GiB", "temp GiB",
+                "argument GiB", "fits (cap 160.5)", "headroom", "compile s", "wall s"):
         shapes.add_column(col)
-    knobs = Table(title="memory knobs at B=128, seq 512 (64 x B200), per device")
-    for col in ("knob", "peak GiB", "temp GiB", "argument GiB", "host temp GiB", "peak / preset",
-                "compile s"):
+    knobs = Table(title="memory knobs at seq 2048, batch 256 (64 x B200), per device")
+    for col in ("knob", "peak GiB", "temp GiB", "argument GiB", "fits", "peak / preset",
+                "FLOPs / preset", "compile s"):
         knobs.add_column(col)
     with tempfile.TemporaryDirectory() as d:
-        for seq in (512, 2048):
-            for batch in (64, 128, 256):
-                wall, rep = gate_only([*BASE, f"data.seq_len={seq}", f"data.batch_size={batch}"],
-                                      f"{d}/{seq}-{batch}")
-                rows.append({"seq": seq, "batch": batch, "wall_s": wall, **rep})
-                shapes.add_row(str(seq), str(batch), gib(rep, "peak_bytes"),
-                               SEED.get((seq, batch), "-"), gib(rep, "temp_bytes"),
-                               gib(rep, "argument_bytes"), gib(rep, "alias_bytes"),
-                               "yes" if rep["fits"] else "no", f"{rep['compile_s']:.1f}",
-                               f"{wall:.1f}")
+        for seq, batch, micro in SHAPES:
+            wall, rep = gate_only([*BASE, f"data.seq_len={seq}", f"data.batch_size={batch}",
+                                   f"optim.microbatches={micro}"], f"{d}/{seq}-{batch}-{micro}")
+            rows.append({"seq": seq, "batch": batch, "microbatches": micro, "wall_s": wall,
+                         **rep})
+            shapes.add_row(str(seq), str(batch), str(micro), gib(rep, "peak_bytes"),
+                           SEED.get((seq, batch), "-"), gib(rep, "temp_bytes"),
+                           gib(rep, "argument_bytes"), "yes" if rep["fits"] else "no",
+                           f"{rep['headroom_bytes'] / rep['cap_bytes']:.0%}",
+                           f"{rep['compile_s']:.1f}", f"{wall:.1f}")
         base = None
         for i, (name, args) in enumerate(KNOBS):
-            wall, rep = gate_only([*BASE, *args], f"{d}/knob{i}")
+            if not args:  # the preset itself: the seq 2048, batch 256 row above
+                rep = next(r for r in rows if r.get("seq") == 2048 and r.get("batch") == 256
+                           and r.get("microbatches") == 16)
+                wall = rep["wall_s"]
+            else:
+                wall, rep = gate_only([*BASE, *KNOB_AT, *args], f"{d}/knob{i}")
             rows.append({"knob": name, "wall_s": wall, **rep})
-            base = base or rep["peak_bytes"]
+            base = base or rep
+            flops = (f"{rep['flops'] / base['flops']:.3f}" if rep.get("flops")
+                     and base.get("flops") else "n/a")
             knobs.add_row(name, gib(rep, "peak_bytes"), gib(rep, "temp_bytes"),
-                          gib(rep, "argument_bytes"), gib(rep, "host_temp_bytes"),
-                          f"{rep['peak_bytes'] / base:.3f}", f"{rep['compile_s']:.1f}")
+                          gib(rep, "argument_bytes"), "yes" if rep["fits"] else "no",
+                          f"{rep['peak_bytes'] / base['peak_bytes']:.3f}", flops,
+                          f"{rep['compile_s']:.1f}")
     console.print(shapes)
     console.print(knobs)
     out = os.path.join(os.path.dirname(__file__), "llama_gate.json")

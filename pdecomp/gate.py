@@ -74,6 +74,7 @@ def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, 
     t0 = time.perf_counter()
     lowered = jax.jit(fn, donate_argnums=donate_argnums,
                       out_shardings=out_shardings).lower(*abstract(args))
+    flops = program_flops(lowered)
     if detach:
         compiled, sizes, dump = _compile_detached(
             lowered, sum(parts.values()) if parts else None)
@@ -96,11 +97,24 @@ def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, 
         "peak_bytes": peak,
         "xla_peak_bytes": sizes["xla_peak"],
         "cap_bytes": cap_bytes, "cap_source": cap_source, "headroom_bytes": cap_bytes - peak,
-        "fits": peak <= cap_bytes, "compile_s": round(compile_s, 3),
+        "fits": peak <= cap_bytes, "compile_s": round(compile_s, 3), "flops": flops,
         "argument_parts_bytes": parts or {},
         "largest_temps": temps,
     }
     return compiled, report
+
+
+def program_flops(lowered: Any) -> float | None:
+    """XLA's cost analysis of the lowered step, for the whole mesh (None where the backend
+    gives none). A loop's body counts once, whatever its trip count: compare figures of the
+    same loop structure (same microbatch count), not across it."""
+    try:
+        cost = lowered.cost_analysis()
+    except Exception:  # noqa: BLE001 - an estimate; a backend without one is not an error
+        return None
+    if isinstance(cost, list | tuple):
+        cost = cost[0] if cost else None
+    return float(cost["flops"]) if cost and "flops" in cost else None
 
 
 # A detached compile still generating code, and its dump directory: `end_process` leaves it.

@@ -59,11 +59,14 @@ class Layout:
     def spec(self, names: Sequence[str | None], shape: tuple[int, ...]) -> P:
         """Mesh axes for `shape`: a named dimension takes its rule's axis where the axis has
         more than one device and divides it; with FSDP the largest dimension left then
-        takes `data` where it divides."""
-        axes: list[str | None] = [None] * len(shape)
+        takes `data` where it divides. (A leaf with no C dimension, such as the frozen
+        target, is then repeated on each device of the model axis: splitting it over both
+        axes halved the 8B preset's argument bytes but made XLA's partitioner replicate
+        the weight deltas between layouts and doubled the compile.)"""
+        axes: list[Any] = [None] * len(shape)
         for i, name in enumerate(names):
             ax = self.rules.get(name) if name else None
-            if ax and ax not in axes and self.mesh.shape.get(ax, 1) > 1 \
+            if ax in self.mesh.shape and ax not in axes and self.mesh.shape[ax] > 1 \
                     and shape[i] % self.mesh.shape[ax] == 0:
                 axes[i] = ax
         n = self.mesh.shape.get(AXIS, 1)

@@ -127,7 +127,7 @@ def test_run_with_overrides_in_every_group(full_run) -> None:
     for k in GATE_KEYS:
         assert k in gate, k
     assert gate["fits"] is True and 0 < gate["peak_bytes"] <= gate["cap_bytes"]
-    assert gate["mesh"] == {"data": 1}
+    assert gate["mesh"] == {"data": 1, "model": 1}
 
     summary = load_json(run_dir / "summary.json")
     for k in ("live/linear1", "live/linear2", "mmcs/linear1", "mmcs/linear2", "loss/total",
@@ -349,7 +349,7 @@ def test_deviceless_gate_for_64_b200s(tmp_path: Path, env: dict[str, str]) -> No
     proc = ok(pdecomp(["gate.only=true", "gate.target=b200", "mesh=fsdp64",
                        f"hydra.run.dir={run_dir}"], tmp_path, env))
     gate = load_json(run_dir / "gate.json")
-    assert gate["n_devices"] == 64 and gate["mesh"] == {"data": 64}
+    assert gate["n_devices"] == 64 and gate["mesh"] == {"data": 64, "model": 1}
     assert gate["target"] == "deviceless NVIDIA B200 x 64 (8 hosts)"
     assert gate["fits"] and gate["largest_temps"]
     for text in ("memory gate", "NVIDIA B200 x 64", "largest temporaries"):

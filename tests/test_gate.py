@@ -137,7 +137,7 @@ def test_deviceless_gpu_targets(tmp_path, gpu, hosts, per_host, gib):
                      gate=dc.replace(cfg.gate, only=True, target=gpu, top_temps=2))
     report = decompose(cfg, tmp_path / "run")["gate"]
     n = hosts * per_host
-    assert report["n_devices"] == n and report["mesh"] == {"data": n}
+    assert report["n_devices"] == n and report["mesh"] == {"data": n, "model": 1}
     assert report["target"].startswith("deviceless NVIDIA " + gpu.upper())
     assert f"x {n} ({hosts} host" in report["target"]
     assert abs(report["cap_bytes"] / 0.9 / 2**30 - gib) < 0.1  # the card's own memory
