@@ -132,12 +132,21 @@ def job_ids(sweep: Path) -> list[str]:
     return sorted(p.name for p in (sweep / ".submitit").iterdir() if p.is_dir())
 
 
-def check_two_process_run(proc, sweep: Path, reference: Path, hosts: int) -> None:
+# FSDP splits V, U and the CI function between the processes, so their reductions sum in
+# another order than the 1-process run's. Over the 600 steps the losses drift apart by up to
+# about 5e-4 relative (in one run: under 2e-7 to step 60, then a step where a CI value sat
+# at a clamp edge moved the rest by 1e-4 to 5e-4, not growing after); a wrong gradient or
+# a lost shard moves them by far more.
+FSDP_REL = 2e-3
+
+
+def check_two_process_run(proc, sweep: Path, reference: Path, hosts: int,
+                          rel: float = 1e-4) -> None:
     ok(proc)
     run_dir = sweep / "0"
     gate = load_json(run_dir / "gate.json")
     assert gate["n_devices"] == 2 and "(2 hosts)" in gate["target"], gate["target"]
-    assert_same_losses(run_dir, reference, rel=1e-4)  # f32 sums in another order across processes
+    assert_same_losses(run_dir, reference, rel=rel)  # f32 sums in another order across processes
     logs = rank_logs(sweep)
     assert len(logs) == 2, list(logs)
     for rank, text in enumerate(logs.values()):
@@ -173,7 +182,7 @@ def test_two_emulated_nodes_train_as_one_run(fsdp_run, reference: Path) -> None:
     """The target, components and optimizer state each live half on one process, half on
     the other; the losses are the 1-process run's."""
     sweep, proc = fsdp_run
-    check_two_process_run(proc, sweep, reference, hosts=2)
+    check_two_process_run(proc, sweep, reference, hosts=2, rel=FSDP_REL)
 
 
 def test_interrupted_job_requeues_and_ends_as_if_uninterrupted(
@@ -242,7 +251,7 @@ def test_a_checkpoint_unreadable_on_one_process_is_set_aside_by_every_process(
     assert f"checkpoint at step {STEPS} cannot be read (on process 1)" in log0, log0[-3000:]
     assert f"resumed from checkpoint at step {STEPS - 200}" in log0, log0[-3000:]
     assert (run_dir / "checkpoints" / f"{STEPS}.unreadable").is_dir()
-    assert_same_losses(run_dir, reference, rel=1e-4)
+    assert_same_losses(run_dir, reference, rel=FSDP_REL)
     assert load_json(run_dir / "summary.json")["steps"] == STEPS
 
 
