@@ -22,8 +22,8 @@ RESULT_PREFIXES = ("live/", "mmcs/", "ml2r/", "one_to_one/", "kl/", "ce_unrecove
                    "loss/total")
 
 # gate.json sizes written to the CSV in GiB (`<name>_bytes` -> `<name>_gib`), then other fields.
-GATE_SIZES = ("argument", "output", "temp", "alias", "host_temp", "peak", "xla_peak", "cap",
-              "headroom")
+GATE_SIZES = ("argument", "output", "temp", "alias", "host_temp", "host_argument", "peak",
+              "xla_peak", "cap", "headroom")
 GATE_FIELDS = ("fits", "compile_s", "target", "n_devices", "batch_size")
 
 

@@ -260,6 +260,10 @@ class MemoryConfig:
     # global CI transformer's blocks: a backward through them keeps one layer's activations
     # (LMs: its [B, heads, T, T] attention scores) at a time, at one more forward per layer.
     remat_layers: bool = False
+    # Keep the optimizer moments of components and CI function in pinned host memory between
+    # steps: each step copies them to the device for the update and back. Frees their bytes
+    # on the device for the whole forward and backward, at two host transfers per step.
+    offload_opt_state: bool = False
 
 
 @dataclass(frozen=True)

@@ -72,9 +72,11 @@ def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, 
     argument bytes per device, checks the reading (see `_compile_detached`).
     """
     t0 = time.perf_counter()
-    lowered = jax.jit(fn, donate_argnums=donate_argnums,
-                      out_shardings=out_shardings).lower(*abstract(args))
+    traced = jax.jit(fn, donate_argnums=donate_argnums,
+                     out_shardings=out_shardings).trace(*abstract(args))
+    lowered = traced.lower()
     flops = program_flops(lowered)
+    mm_flops = matmul_flops(traced.jaxpr)
     if detach:
         compiled, sizes, dump = _compile_detached(
             lowered, sum(parts.values()) if parts else None)
@@ -93,11 +95,11 @@ def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, 
     report = {
         "target": target, "mesh": mesh, "n_devices": math.prod(mesh.values()),
         "argument_bytes": arg, "output_bytes": out, "temp_bytes": temp, "alias_bytes": alias,
-        "host_temp_bytes": sizes["host_temp"],
+        "host_temp_bytes": sizes["host_temp"], "host_argument_bytes": sizes["host_argument"],
         "peak_bytes": peak,
         "xla_peak_bytes": sizes["xla_peak"],
         "cap_bytes": cap_bytes, "cap_source": cap_source, "headroom_bytes": cap_bytes - peak,
-        "fits": peak <= cap_bytes, "compile_s": round(compile_s, 3), "flops": flops,
+        "fits": peak <= cap_bytes, "compile_s": round(compile_s, 3), "flops": flops, "matmul_flops": mm_flops,
         "argument_parts_bytes": parts or {},
         "largest_temps": temps,
     }
@@ -105,16 +107,54 @@ def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, 
 
 
 def program_flops(lowered: Any) -> float | None:
-    """XLA's cost analysis of the lowered step, for the whole mesh (None where the backend
-    gives none). A loop's body counts once, whatever its trip count: compare figures of the
-    same loop structure (same microbatch count), not across it."""
+    """XLA's cost analysis of the lowered step, for the whole mesh (None where it gives none).
+    A loop's body counts once, whatever its trip count: compare figures of the same loop
+    structure (same microbatch count), or use `matmul_flops`. A deviceless GPU target has
+    no backend of its own to analyse with, so the host's CPU backend analyses the same
+    (unoptimized, unpartitioned) module."""
     try:
         cost = lowered.cost_analysis()
     except Exception:  # noqa: BLE001 - an estimate; a backend without one is not an error
-        return None
+        cost = None
+    if not cost:
+        try:
+            from jax._src.lib import _jax  # no public entry point takes another backend
+            cost = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client,
+                                                 lowered._lowering.hlo().as_hlo_module())
+        except Exception:  # noqa: BLE001 - as above
+            return None
     if isinstance(cost, list | tuple):
         cost = cost[0] if cost else None
     return float(cost["flops"]) if cost and "flops" in cost else None
+
+
+def matmul_flops(jaxpr: Any) -> int:
+    """Matmul FLOPs of one run of `jaxpr` (a traced step, forward and backward), for the
+    whole mesh: 2 x the multiply-adds of every dot_general, a scan's body times its length,
+    a rematerialized function's recomputation included (it is in the backward's jaxpr), a
+    cond's costliest branch, a while loop's body once. Elementwise work is left out: this is
+    the figure MFU is quoted in."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    total = 0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            (_, rhs_contract), (_, rhs_batch) = eqn.params["dimension_numbers"]
+            lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
+            rhs_kept = [d for i, d in enumerate(rhs) if i not in (*rhs_contract, *rhs_batch)]
+            total += 2 * math.prod(lhs) * math.prod(rhs_kept)
+            continue
+        subs = [w for v in eqn.params.values() for w in (v if isinstance(v, tuple | list)
+                                                         else (v,))
+                if hasattr(w, "eqns") or hasattr(getattr(w, "jaxpr", None), "eqns")]
+        if not subs:
+            continue
+        costs = [matmul_flops(w) for w in subs]
+        if name == "cond":
+            total += max(costs)
+        else:
+            total += sum(costs) * (eqn.params["length"] if name == "scan" else 1)
+    return total
 
 
 # A detached compile still generating code, and its dump directory: `end_process` leaves it.
@@ -174,6 +214,7 @@ def analysis_sizes(compiled: Any) -> dict[str, int]:
     return {"argument": int(ma.argument_size_in_bytes), "output": int(ma.output_size_in_bytes),
             "temp": int(ma.temp_size_in_bytes), "alias": int(ma.alias_size_in_bytes),
             "host_temp": int(getattr(ma, "host_temp_size_in_bytes", 0) or 0),
+            "host_argument": int(getattr(ma, "host_argument_size_in_bytes", 0) or 0),
             "xla_peak": int(getattr(ma, "peak_memory_in_bytes", 0) or 0)}
 
 
@@ -183,7 +224,7 @@ def assignment_sizes(path: Path) -> dict[str, int]:
     entry parameters, output = maybe-live-out, alias = parameters that are live out (donated),
     temp = the rest but thread-local and constant ones."""
     sizes: dict[str, int | None] = dict.fromkeys(("argument", "output", "temp", "alias",
-                                                  "host_temp"), 0)
+                                                  "host_temp", "host_argument"), 0)
     sizes["xla_peak"] = None  # XLA's own peak exists only once the compile has finished
     for line in path.read_text().splitlines():
         if not (m := _ALLOCATION.match(line)):
@@ -316,7 +357,8 @@ def format_report(report: dict[str, Any]) -> list[tuple[str, str]]:
             ("mesh", " x ".join(f"{k}={v}" for k, v in report["mesh"].items()))]
     if "batch_size" in report:
         rows.append(("batch", str(report["batch_size"])))
-    for k in ("argument", "output", "temp", "alias", "host_temp", "peak", "xla_peak"):
+    for k in ("argument", "output", "temp", "alias", "host_temp", "host_argument", "peak",
+              "xla_peak"):
         v = report[f"{k}_bytes"]
         rows.append((k + (" (temp+arg+out-alias)" if k == "peak" else ""),
                      "n/a (read at buffer assignment)" if v is None else fmt_bytes(v)))
@@ -326,6 +368,12 @@ def format_report(report: dict[str, Any]) -> list[tuple[str, str]]:
              ("headroom", fmt_bytes(report["headroom_bytes"])),
              ("fits", "yes" if report["fits"] else "NO"),
              ("compile", f"{report['compile_s']:.2f} s")]
+    if report.get("note"):
+        rows.append(("note", report["note"]))
+    if report.get("matmul_flops"):
+        rows.append(("matmul FLOPs / step", f"{report['matmul_flops']:.3e} (whole mesh)"))
+    if report.get("flops"):
+        rows.append(("XLA FLOPs", f"{report['flops']:.3e} (loop bodies once)"))
     if "fit" in report:
         fit = report["fit"]
         rows.append(("fit", f"{len(fit['tried'])} batches compiled: {fit['why']}"))

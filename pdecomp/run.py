@@ -288,7 +288,10 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
     init_key, data_key = jax.random.split(jax.random.PRNGKey(cfg.seed))
 
     # Abstract target and state, with their shardings.
-    target_abs, state_abs = (sharding.place(t, layout) for t in abstract_run(cfg, init_key))
+    target_abs, state_abs = abstract_run(cfg, init_key)
+    target_abs = sharding.place(target_abs, layout)
+    state_abs = sharding.place(state_abs, layout, sharding.OFFLOADED
+                               if cfg.memory.offload_opt_state else ())
     batch_sharding = NamedSharding(mesh, P(sharding.AXIS))
 
     # The gate: compile the very step training runs, read its memory, compare to the cap.
@@ -303,7 +306,9 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
         parts = {"frozen target": gate_lib.tree_bytes(target_abs),
                  "components": gate_lib.tree_bytes(state_abs.components),
                  "ci function": gate_lib.tree_bytes(state_abs.ci_fn),
-                 "optimizer moments": gate_lib.tree_bytes((state_abs.comp_opt, state_abs.ci_opt)),
+                 ("optimizer moments (host)" if cfg.memory.offload_opt_state else
+                  "optimizer moments"): gate_lib.tree_bytes((state_abs.comp_opt,
+                                                             state_abs.ci_opt)),
                  "adversary": gate_lib.tree_bytes(state_abs.adversary),
                  "step and key": gate_lib.tree_bytes((state_abs.step, state_abs.key)),
                  "batch": gate_lib.tree_bytes(batch_abs)}
@@ -315,6 +320,11 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
             mesh=dict(mesh.shape), parts=parts, top_temps=cfg.gate.top_temps,
             detach=detach)
         report["batch_size"] = batch_size
+        if cfg.memory.offload_opt_state and sharding.is_deviceless(cfg):
+            # Compile-only devices have no host memory space: jax drops the memory kind.
+            report["note"] = ("memory.offload_opt_state: a deviceless compile has no host "
+                              "memory, so the optimizer moments count as device arguments "
+                              "here (an upper bound; on the GPUs they are host arguments)")
         return compiled, report
 
     if cfg.gate.fit == "batch":

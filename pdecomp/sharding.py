@@ -138,14 +138,36 @@ def make_mesh(cfg: RunConfig) -> Mesh:
     return Mesh(np.array(devices[:n]).reshape(n // me.model, me.model), (AXIS, MODEL))
 
 
-def place(tree: Any, layout: Layout) -> Any:
-    """ShapeDtypeStructs of `tree`'s array leaves carrying their shardings."""
+# The state's fields that `memory.offload_opt_state` keeps in host memory between steps.
+OFFLOADED = ("comp_opt", "ci_opt")
+HOST = "pinned_host"
+DEVICE = "device"
+
+
+def leaf_sharding(layout: Layout, path: str, shape: tuple[int, ...],
+                  memory_kind: str | None = None) -> NamedSharding:
+    spec = layout.spec(logical_axes(path, len(shape)), shape)
+    return NamedSharding(layout.mesh, spec, memory_kind=memory_kind)
+
+
+def place(tree: Any, layout: Layout, offload: Sequence[str] = ()) -> Any:
+    """ShapeDtypeStructs of `tree`'s array leaves carrying their shardings; the leaves under
+    the top-level fields named in `offload` live in pinned host memory."""
 
     def leaf(path, x):
-        spec = layout.spec(logical_axes(jax.tree_util.keystr(path), x.ndim), x.shape)
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(layout.mesh, spec))
+        where = HOST if path and getattr(path[0], "name", None) in offload else None
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=leaf_sharding(
+            layout, jax.tree_util.keystr(path), x.shape, where))
 
     return jax.tree_util.tree_map_with_path(leaf, tree)
+
+
+def move(tree: Any, layout: Layout, memory_kind: str) -> Any:
+    """Inside a jitted function: `tree`'s leaves copied to `memory_kind` (DEVICE or HOST),
+    each keeping its sharding over the mesh."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.device_put(x, leaf_sharding(
+            layout, jax.tree_util.keystr(path), x.shape, memory_kind)), tree)
 
 
 def shardings(tree_abs: Any) -> Any:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 
 import equinox as eqx
@@ -44,7 +45,7 @@ from pdecomp.masks import (
     masks_from_sources,
     sample_forward_masks,
 )
-from pdecomp.sharding import Layout
+from pdecomp.sharding import DEVICE, HOST, Layout, move
 
 
 class Adversary(eqx.Module):
@@ -289,6 +290,13 @@ def make_train_step(cfg: RunConfig, layout: Layout | None = None) -> Callable:
     tied = dict(spec.tied)
     n_micro = spec.microbatches
     pin = layout.constrain_positions if layout is not None else (lambda x: x)
+    if cfg.memory.offload_opt_state:
+        if layout is None:
+            raise ValueError("memory.offload_opt_state needs the step's layout")
+        to_device = partial(move, layout=layout, memory_kind=DEVICE)
+        to_host = partial(move, layout=layout, memory_kind=HOST)
+    else:
+        to_device = to_host = lambda tree: tree
 
     def train_step(state: TrainState, target, batch: Array) -> tuple[TrainState, dict]:
         key, step_key = jax.random.split(state.key)
@@ -512,11 +520,14 @@ def make_train_step(cfg: RunConfig, layout: Layout | None = None) -> Callable:
                           + sum(t.coeff * terms[f"recon_{t.name}"] for t in spec.recon)
                           + (spec.pgd.coeff * terms["pgd"] if spec.pgd else 0.0))
         # 5. Separate optimizers: components clipped and scheduled apart from the CI fn; the
-        # sources ascend on their own gradient, unscaled by the term's coefficient.
-        upd, comp_state = comp_opt.update(g_comp, state.comp_opt, stepped)
+        # sources ascend on their own gradient, unscaled by the term's coefficient. Offloaded
+        # moments come to the device only now, after the backward, and go back to the host.
+        comp_moments, ci_moments = to_device((state.comp_opt, state.ci_opt))
+        upd, comp_state = comp_opt.update(g_comp, comp_moments, stepped)
         components = apply_component_updates(cfg, state.components, upd)
-        upd, ci_state = ci_opt.update(g_ci, state.ci_opt, state.ci_fn)
+        upd, ci_state = ci_opt.update(g_ci, ci_moments, state.ci_fn)
         ci_fn = optax.apply_updates(state.ci_fn, upd)
+        comp_state, ci_state = to_host((comp_state, ci_state))
         if spec.pgd:
             g_src = jax.tree.map(lambda g: g / spec.pgd.coeff, g_src)
             adversary = ascend(adversary, g_src, lr, spec.pgd.optimizer)

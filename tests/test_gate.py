@@ -210,3 +210,46 @@ def test_fit_batch_finds_the_largest_batch_under_the_cap(tmp_path):
     assert above and not any(t["fits"] for t in above)
     assert min(t["batch_size"] for t in above) - chosen <= max(1, chosen // 16) * 2
     assert str(chosen) in fit["why"]
+
+
+def test_matmul_flops_count_loops_rematerialization_and_branches():
+    """Every dot_general of a step, a scan's body times its length, the backward's
+    recomputation of a checkpointed body included, a cond's costliest branch."""
+    x, w = jax.numpy.ones((64, 128)), jax.numpy.ones((128, 32))
+    one = 2 * 64 * 128 * 128  # x @ y with y [128, 128]
+
+    def f(x, y):
+        def body(c, _):
+            return jax.checkpoint(lambda c: jax.numpy.tanh(c @ y))(c), None
+        return jax.lax.scan(body, x, None, length=5)[0].sum()
+
+    traced = jax.jit(jax.grad(f)).trace(x, jax.numpy.ones((128, 128)))
+    # forward 5, recomputed 5, and the cotangent of c 5 (no gradient of y is asked for)
+    assert gate.matmul_flops(traced.jaxpr) == 15 * one
+
+    def g(p, x):
+        return jax.lax.cond(p, lambda x: (x @ w).sum(), lambda x: x.sum(), x)
+
+    batched = jax.jit(lambda a, b: jax.numpy.einsum("bij,bjk->bik", a, b)).trace(
+        jax.numpy.ones((3, 4, 5)), jax.numpy.ones((3, 5, 6)))
+    assert gate.matmul_flops(jax.jit(g).trace(True, x).jaxpr) == 2 * 64 * 128 * 32
+    assert gate.matmul_flops(batched.jaxpr) == 2 * 3 * 4 * 5 * 6
+
+
+def test_offloaded_optimizer_moments_on_a_deviceless_gpu_are_an_upper_bound(tmp_path):
+    """memory.offload_opt_state: compile-only GPUs have no host memory space (jax drops the
+    memory kind), so the gate counts the moments as device arguments and says so; the step
+    compiles, with the same bytes as without offload."""
+    def gate_of(offload, name):
+        cfg = _cfg(tmp_path, offload_opt_state=offload)
+        cfg = dc.replace(cfg, mesh=dc.replace(cfg.mesh, hosts=1, gpus_per_host=8),
+                         gate=dc.replace(cfg.gate, only=True, target="h100"))
+        return decompose(cfg, tmp_path / name)["gate"]
+
+    plain, offloaded = gate_of(False, "plain"), gate_of(True, "offload")
+    parts = offloaded["argument_parts_bytes"]
+    assert parts["optimizer moments (host)"] == plain["argument_parts_bytes"][
+        "optimizer moments"] > 0
+    assert offloaded["argument_bytes"] == plain["argument_bytes"] == sum(parts.values())
+    assert offloaded["host_argument_bytes"] == 0
+    assert "upper bound" in offloaded["note"] and "note" not in plain

@@ -1,7 +1,8 @@
 """Mesh layouts and memory plans move bytes, not numbers: llama_tiny's step (chunkwise
 uniform-k recon, persistent PGD, global CI transformer) on 8 CPU devices as data 8 x model 1
 and data 2 x model 4 (components split along C), with the CI streamed, layers
-rematerialized and the batch in microbatches, against the plain single-device step."""
+rematerialized and the batch in microbatches (and, on 2 x 4, the optimizer moments kept in
+host memory), against the plain single-device step."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from pdecomp import targets
-    from pdecomp.sharding import Layout, place, shardings
+    from pdecomp.sharding import OFFLOADED, Layout, place, shardings
     from pdecomp.train import init_state, make_train_step
     from test_lm import tiny_cfg, tokens
     from test_microbatches import LINEAR_ADAM
@@ -38,7 +39,8 @@ SCRIPT = textwrap.dedent("""
         if layout is None:
             new, m = jax.jit(make_train_step(cfg))(state, target, batch)
             return {"metrics": {k: float(v) for k, v in m.items()}, "state": leaves(new)}
-        s_abs, t_abs = place(state, layout), place(target, layout)
+        offload = OFFLOADED if cfg.memory.offload_opt_state else ()
+        s_abs, t_abs = place(state, layout, offload), place(target, layout)
         specs = {str(x.sharding.spec) for x in jax.tree.leaves(s_abs)}
         step = jax.jit(make_train_step(cfg, layout),
                        out_shardings=(shardings(s_abs), NamedSharding(layout.mesh, P())))
@@ -46,11 +48,16 @@ SCRIPT = textwrap.dedent("""
                       jax.device_put(target, shardings(t_abs)),
                       jax.device_put(batch, NamedSharding(layout.mesh, P("data"))))
         return {"metrics": {k: float(v) for k, v in m.items()}, "state": leaves(new),
-                "specs": sorted(specs)}
+                "specs": sorted(specs),
+                "moments_in": sorted({x.sharding.memory_kind for x in
+                                      jax.tree.leaves((new.comp_opt, new.ci_opt))}),
+                "components_in": sorted({x.sharding.memory_kind for x in
+                                         jax.tree.leaves(new.components)})}
 
-    def plan(cfg, microbatches=1):
+    def plan(cfg, microbatches=1, offload=False):
         return dc.replace(cfg, memory=dc.replace(cfg.memory, stream_ci=True,
-                                                 remat_layers=True, remat="full"),
+                                                 remat_layers=True, remat="full",
+                                                 offload_opt_state=offload),
                           optim=dc.replace(cfg.optim, microbatches=microbatches))
 
     devices = np.array(jax.devices())
@@ -58,7 +65,7 @@ SCRIPT = textwrap.dedent("""
            "single": run(cfg, None),
            "8x1": run(plan(cfg), Layout(Mesh(devices.reshape(8, 1), ("data", "model")),
                                         {"batch": "data", "comp": "model"}, fsdp=True)),
-           "2x4": run(plan(cfg, 2), Layout(Mesh(devices.reshape(2, 4), ("data", "model")),
+           "2x4": run(plan(cfg, 2, offload=True), Layout(Mesh(devices.reshape(2, 4), ("data", "model")),
                                            {"batch": "data", "comp": "model"}, fsdp=True))}
     print(json.dumps(out))
 """)
@@ -69,6 +76,10 @@ def test_layouts_and_memory_plans_give_the_single_device_step():
     ref = out["single"]
     # the 2 x 4 layout really splits components on the model axis
     assert any("'model'" in s for s in out["2x4"]["specs"]), out["2x4"]["specs"]
+    # offloaded moments come back to host memory, the rest stays on the devices
+    assert out["2x4"]["moments_in"] == ["pinned_host"], out["2x4"]["moments_in"]
+    assert out["2x4"]["components_in"] == ["device"], out["2x4"]["components_in"]
+    assert out["8x1"]["moments_in"] == ["device"], out["8x1"]["moments_in"]
     for name in ("8x1", "2x4"):
         got = out[name]
         for k, v in ref["metrics"].items():
