@@ -4,15 +4,19 @@
 end to end at seq 512/2048 and batch 64-512 (the preset's 16 microbatches; 8 at batch 64,
 whose 16 would leave a microbatch fewer examples than the 8 data-axis devices), beside the
 per-device peaks the seed's own AOT probe reported (remat on, no donation); then what each
-memory knob changes at seq 2048, batch 256, as ratios of the peak and of XLA's FLOP count
-against the preset. Prints two tables and writes the rows to bench/llama_gate.json. Run:
-`make bench` (needs `make install-gpu-compile`), about 30 min on a 2-core host.
+memory knob changes at seq 2048, batch 256, as ratios of the peak and of the step's FLOPs
+against the preset: its matmul FLOPs (loops times their trip count, recomputation
+included) and XLA's own count (loop bodies once, so comparable only between rows of equal
+microbatches). Prints two tables and writes the rows to bench/llama_gate.json. Run:
+`make bench` (needs `make install-gpu-compile`), about 30 min on a 2-core host;
+`--knobs` redoes the knob table only (the shape rows of the json are kept).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 
 from bench_gate import gate_only  # bench/ is on the path when a script there runs
@@ -35,7 +39,13 @@ KNOBS: list[tuple[str, list[str]]] = [
     ("optim.microbatches=8", ["optim.microbatches=8"]),
     ("mesh=fsdp64 (no model axis), optim.microbatches=4", ["mesh=fsdp64",
                                                            "optim.microbatches=4"]),
+    ("memory.offload_opt_state=true (deviceless: upper bound)",
+     ["memory.offload_opt_state=true"]),
 ]
+
+
+def ratio(rep: dict, base: dict, key: str) -> str:
+    return f"{rep[key] / base[key]:.3f}" if rep.get(key) and base.get(key) else "n/a"
 
 
 def gib(rep: dict, key: str) -> str:
@@ -43,8 +53,13 @@ def gib(rep: dict, key: str) -> str:
 
 
 def main() -> None:
-    console = Console(width=150)
+    knobs_only = "--knobs" in sys.argv[1:]
+    console = Console(width=170)
+    out = os.path.join(os.path.dirname(__file__), "llama_gate.json")
     rows = []
+    if knobs_only:
+        with open(out) as f:
+            rows = [r for r in json.load(f) if "knob" not in r]
     shapes = Table(title="llama8b_l18-26_chunkwise on 64 x B200 (deviceless, mesh fsdp8x8), "
                          "per device")
     for col in ("seq", "batch", "microbatches", "peak GiB", "seed GiB", "temp GiB",
@@ -52,10 +67,11 @@ def main() -> None:
         shapes.add_column(col)
     knobs = Table(title="memory knobs at seq 2048, batch 256 (64 x B200), per device")
     for col in ("knob", "peak GiB", "temp GiB", "argument GiB", "fits", "peak / preset",
-                "FLOPs / preset", "compile s"):
+                "matmul TFLOP / device", "matmul FLOPs / preset", "XLA FLOPs / preset",
+                "compile s"):
         knobs.add_column(col)
     with tempfile.TemporaryDirectory() as d:
-        for seq, batch, micro in SHAPES:
+        for seq, batch, micro in [] if knobs_only else SHAPES:
             wall, rep = gate_only([*BASE, f"data.seq_len={seq}", f"data.batch_size={batch}",
                                    f"optim.microbatches={micro}"], f"{d}/{seq}-{batch}-{micro}")
             rows.append({"seq": seq, "batch": batch, "microbatches": micro, "wall_s": wall,
@@ -67,7 +83,7 @@ def main() -> None:
                            f"{rep['compile_s']:.1f}", f"{wall:.1f}")
         base = None
         for i, (name, args) in enumerate(KNOBS):
-            if not args:  # the preset itself: the seq 2048, batch 256 row above
+            if not args and not knobs_only:  # the preset: the seq 2048, batch 256 row above
                 rep = next(r for r in rows if r.get("seq") == 2048 and r.get("batch") == 256
                            and r.get("microbatches") == 16)
                 wall = rep["wall_s"]
@@ -75,15 +91,16 @@ def main() -> None:
                 wall, rep = gate_only([*BASE, *KNOB_AT, *args], f"{d}/knob{i}")
             rows.append({"knob": name, "wall_s": wall, **rep})
             base = base or rep
-            flops = (f"{rep['flops'] / base['flops']:.3f}" if rep.get("flops")
-                     and base.get("flops") else "n/a")
+            tflop = (f"{rep['matmul_flops'] / rep['n_devices'] / 1e12:.0f}"
+                     if rep.get("matmul_flops") else "n/a")
             knobs.add_row(name, gib(rep, "peak_bytes"), gib(rep, "temp_bytes"),
                           gib(rep, "argument_bytes"), "yes" if rep["fits"] else "no",
-                          f"{rep['peak_bytes'] / base['peak_bytes']:.3f}", flops,
+                          f"{rep['peak_bytes'] / base['peak_bytes']:.3f}", tflop,
+                          ratio(rep, base, "matmul_flops"), ratio(rep, base, "flops"),
                           f"{rep['compile_s']:.1f}")
-    console.print(shapes)
+    if not knobs_only:
+        console.print(shapes)
     console.print(knobs)
-    out = os.path.join(os.path.dirname(__file__), "llama_gate.json")
     with open(out, "w") as f:
         json.dump([{k: v for k, v in r.items() if k != "largest_temps"} for r in rows], f,
                   indent=1)

@@ -530,7 +530,14 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
 
 def _validate_llama(m: ModelConfig) -> None:
     if m.path:
-        llama_n_layers(m)  # a readable config.json (the loader checks the tensors)
+        llama_n_layers(m)  # a readable config.json
+        # A model this loader computes, and every tensor there with its shape (headers only).
+        from pdecomp import llama  # the loader imports this module
+
+        try:
+            llama.check_hf(m.path)
+        except llama.CheckpointError as e:
+            raise ConfigError("model.path", m.path, str(e)) from None
         return
     for key in ("vocab_size", "d_mlp", "n_heads", "n_kv_heads"):
         _positive(f"model.{key}", getattr(m, key))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -322,11 +323,61 @@ class _Tensors:
         return part[index[::-1]].T if transpose else part[index]
 
 
+# What this model computes, and the config.json fields that would make a checkpoint compute
+# something else unless they sit at their neutral value. A checkpoint of another family, or
+# with such a field set, is refused: loading it would decompose a model the user did not
+# name, and nothing downstream could tell.
+MODEL_TYPES = ("llama", "mistral")  # mistral: Llama's computation when sliding_window is null
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+ROPE_TYPES = ("default", "llama3")
+NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "attention_bias": (lambda v: not v, "false (q/k/v/o projections without bias)"),
+    "mlp_bias": (lambda v: not v, "false (MLP projections without bias)"),
+    "hidden_act": (lambda v: v == "silu", "silu"),
+    "sliding_window": (lambda v: v is None, "null (full causal attention)"),
+    "use_sliding_window": (lambda v: not v, "false"),
+    "layer_types": (lambda v: all(t == "full_attention" for t in v),
+                    "full_attention in every layer"),
+    "pretraining_tp": (lambda v: v in (None, 1), "1"),
+    "use_qk_norm": (lambda v: not v, "false"),
+    "attn_logit_softcapping": (lambda v: v is None, "null"),
+    "final_logit_softcapping": (lambda v: v is None, "null"),
+}
+# Tensors that carry no computation of their own: RoPE's frequencies (recomputed from the
+# config) and, with tied embeddings, a stored copy of the head (transformers ties it over).
+IGNORED_TENSORS = (r"\.rotary_emb\.inv_freq$",)
+
+
+def check_computable(data: dict[str, Any], where: str) -> None:
+    """Refuse a config.json this model would not compute exactly (CheckpointError naming
+    the field and what is allowed)."""
+    kind = data.get("model_type")
+    if kind not in MODEL_TYPES:
+        raise CheckpointError(f"{where}: model_type {kind!r} is not computed by this loader; "
+                              f"allowed: {', '.join(MODEL_TYPES)}")
+    archs = [a for a in data.get("architectures") or [] if a not in ARCHITECTURES]
+    if archs:
+        raise CheckpointError(f"{where}: architectures {archs} are not computed by this "
+                              f"loader; allowed: {', '.join(ARCHITECTURES)}")
+    for key, (neutral, allowed) in NEUTRAL.items():
+        if key in data and data[key] is not None and not neutral(data[key]):
+            raise CheckpointError(f"{where}: {key}={json.dumps(data[key])} is not computed by "
+                                  f"this loader; allowed: {allowed}")
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = data.get(key) or {}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ROPE_TYPES:
+            raise CheckpointError(f"{where}: {key}.rope_type={kind!r} is not computed by this "
+                                  f"loader; allowed: {', '.join(ROPE_TYPES)}")
+
+
 def load_config(path: str | Path) -> LlamaConfig:
     path = Path(path)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json (expected a Hugging Face model directory)")
-    return LlamaConfig.from_hf(json.loads((path / "config.json").read_text()))
+    data = json.loads((path / "config.json").read_text())
+    check_computable(data, str(path / "config.json"))
+    return LlamaConfig.from_hf(data)
 
 
 def check_hf(path: str | Path) -> LlamaConfig:
@@ -338,7 +389,8 @@ def check_hf(path: str | Path) -> LlamaConfig:
 def _open_checked(path: Path) -> tuple[LlamaConfig, _Tensors]:
     cfg = load_config(path)
     tensors = _Tensors(path)
-    for name, shape in expected_shapes(cfg).items():
+    expected = expected_shapes(cfg)
+    for name, shape in expected.items():
         if name not in tensors.where:
             raise CheckpointError(f"{path}: tensor {name} missing (config.json: "
                                   f"{cfg.num_hidden_layers} layers, tied="
@@ -346,6 +398,13 @@ def _open_checked(path: Path) -> tuple[LlamaConfig, _Tensors]:
         if tensors.shape(name) != shape:
             raise CheckpointError(f"{path}: tensor {name} has shape {tensors.shape(name)}; "
                                   f"config.json implies {shape}")
+    ignored = IGNORED_TENSORS + ((r"^lm_head\.weight$",) if cfg.tie_word_embeddings else ())
+    extra = sorted(n for n in tensors.where
+                   if n not in expected and not any(re.search(p, n) for p in ignored))
+    if extra:
+        raise CheckpointError(f"{path}: tensor {extra[0]} is not computed by this loader "
+                              f"({len(extra)} such tensors; a Llama holds embeddings, norms "
+                              "and bias-free projections only)")
     return cfg, tensors
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -109,3 +110,85 @@ def test_a_shard_reads_only_its_block_of_a_tensor():
     block = (slice(16, 48), slice(40, 80))
     got = _Tensors(path).read("model.layers.1.mlp.up_proj.weight", block, transpose=True)
     np.testing.assert_array_equal(got, full.T[block])
+
+
+def _variant(tmp_path: Path, name: str, base: str = "gqa_llama3", tensors: dict | None = None,
+             **config) -> Path:
+    """A copy of a fixture with config.json fields set (None: removed) and tensors added."""
+    from safetensors.numpy import load_file, save_file
+
+    path = tmp_path / name
+    shutil.copytree(FIXTURES / base, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(config)
+    (path / "config.json").write_text(json.dumps(cfg))
+    if tensors:
+        stored = load_file(str(path / "model.safetensors"))
+        save_file({**stored, **tensors}, str(path / "model.safetensors"))
+    return path
+
+
+REFUSED = [
+    ("qwen2", {"model_type": "qwen2"}, "model_type 'qwen2'"),
+    ("qwen2-arch", {"architectures": ["Qwen2ForCausalLM"]}, "Qwen2ForCausalLM"),
+    ("attention-bias", {"attention_bias": True}, "attention_bias=true"),
+    ("mlp-bias", {"mlp_bias": True}, "mlp_bias=true"),
+    ("gelu", {"hidden_act": "gelu"}, 'hidden_act="gelu"'),
+    ("mistral-window", {"model_type": "mistral", "sliding_window": 16}, "sliding_window=16"),
+    ("layer-types", {"layer_types": ["sliding_attention"] * 3}, "layer_types"),
+    ("yarn", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
+    ("linear-rope-legacy-key", {"rope_scaling": {"type": "linear", "factor": 2.0}},
+     "rope_type='linear'"),
+    ("softcap", {"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+]
+
+
+@pytest.mark.parametrize(("config", "message"),
+                         [pytest.param(c, m, id=i) for i, c, m in REFUSED])
+def test_checkpoints_it_would_not_compute_are_refused(tmp_path, config, message):
+    """A field that changes the computation away from its neutral value is named, with the
+    file, before anything is read (a wrong model must never load quietly)."""
+    path = _variant(tmp_path, "v", **config)
+    with pytest.raises(CheckpointError, match=re.escape(message)) as e:
+        load_hf(path)
+    assert str(path / "config.json") in str(e.value) and "allowed" in str(e.value)
+
+
+def test_a_tensor_it_would_not_compute_is_refused(tmp_path):
+    """A tensor the model has no use for (a q_proj bias) is refused; RoPE's stored
+    frequencies carry nothing the config does not, and are passed over."""
+    bias = {"model.layers.0.self_attn.q_proj.bias": np.ones(64, np.float32)}
+    with pytest.raises(CheckpointError, match=r"tensor model.layers.0.self_attn.q_proj.bias "
+                                              r"is not computed"):
+        load_hf(_variant(tmp_path, "bias", tensors=bias))
+    inv_freq = {"model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(4, np.float32)}
+    load_hf(_variant(tmp_path, "inv_freq", tensors=inv_freq))
+
+
+def test_neutral_values_and_mistral_without_a_window_load_as_llama(tmp_path):
+    """Mistral with sliding_window null is Llama's computation, and fields at their neutral
+    value change nothing: the logits stay transformers' Llama logits."""
+    path = _variant(tmp_path, "mistral", model_type="mistral", sliding_window=None,
+                    architectures=["MistralForCausalLM"], attention_bias=False,
+                    hidden_act="silu", layer_types=["full_attention"] * 3)
+    tokens = np.load(path / "tokens.npy")
+    logits = np.asarray(jax.jit(lambda m, t: m(t))(load_hf(path), tokens))
+    assert _rel_err(logits, np.load(path / "logits.npy")) <= 1e-5
+
+
+def test_a_refused_checkpoint_on_the_command_line_exits_2_with_one_line(tmp_path):
+    import subprocess
+
+    from conftest import PDECOMP
+
+    path = _variant(tmp_path, "biased", attention_bias=True)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    proc = subprocess.run([PDECOMP, "+experiment=llama_tiny_chunkwise", f"model.path={path}",
+                           "layers.sites=[layers.1.mlp.gate_proj,layers.1.mlp.up_proj,layers.1.mlp.down_proj]",
+                           "gate.only=true"],
+                          cwd=cwd, capture_output=True, text=True, timeout=300, check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert "model.path" in lines[0] and "attention_bias=true" in lines[0], lines[0]
+    assert list(cwd.iterdir()) == []
