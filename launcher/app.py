@@ -25,7 +25,8 @@ from launcher import cluster
 from launcher.registry import register, to_run_config
 from pdecomp.config import EXIT_BAD_CONFIG, ConfigError, validate
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+# Inside the package, so an installed wheel carries the configs (package data).
+CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 MAX_CHECKED_COMBOS = 512
 
 # Hydra flags that take a value, and flags after which nothing is composed or run.
