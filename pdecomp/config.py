@@ -37,6 +37,10 @@ REMAT = ("none", "full", "save_dots", "names", "offload")
 REMAT_NAMES = ("site_inner", "site_out", "layer_out")  # checkpoint_name tags in the forward
 LLAMA_MLP = ("gate_proj", "up_proj", "down_proj")
 LLAMA_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+ROPE_TYPES = ("default", "llama3")  # the RoPE the Llama target computes
+# Llama-3's frequency scaling reads every one of these; each must be a number > 0.
+LLAMA3_ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor",
+                      "original_max_position_embeddings")
 
 
 EXIT_BAD_CONFIG = 2  # the exit code of a run refused for its config
@@ -549,9 +553,33 @@ def _validate_llama(m: ModelConfig) -> None:
     if not m.head_dim and m.d_embed % m.n_heads:
         raise ConfigError("model.n_heads", m.n_heads,
                           f"must divide model.d_embed ({m.d_embed}) unless model.head_dim is set")
-    kind = m.rope_scaling.get("rope_type", m.rope_scaling.get("type", "default"))
-    if m.rope_scaling and kind not in ("default", "llama3"):
-        raise ConfigError("model.rope_scaling.rope_type", kind, "allowed: default, llama3")
+    if problem := rope_problem(m.rope_scaling):
+        name, value, allowed = problem
+        raise ConfigError(f"model.rope_scaling.{name}", value, allowed)
+
+
+def rope_problem(rope: Any) -> tuple[str, Any, str] | None:
+    """(field, value, what is allowed) for RoPE settings the Llama target would not compute,
+    or None. The same rule for a preset's `model.rope_scaling` and a checkpoint's config.json
+    (`rope_scaling` or `rope_parameters`), so a bad one never reaches the compiled step."""
+    if not rope:
+        return None
+    if not isinstance(rope, Mapping):
+        return "", rope, "must be a mapping with rope_type and its fields"
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        return "rope_type", kind, f"allowed: {', '.join(ROPE_TYPES)}"
+    if kind == "llama3":
+        for name in LLAMA3_ROPE_FIELDS:
+            value = rope.get(name)
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or value <= 0):
+                return name, value, (f"rope_type llama3 needs {', '.join(LLAMA3_ROPE_FIELDS)}, "
+                                     "each a number > 0")
+        if rope["high_freq_factor"] <= rope["low_freq_factor"]:
+            return "high_freq_factor", rope["high_freq_factor"], (
+                f"must be > low_freq_factor ({rope['low_freq_factor']}) for rope_type llama3")
+    return None
 
 
 def tied_sites(cfg: RunConfig) -> dict[str, str]:

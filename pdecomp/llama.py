@@ -29,7 +29,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
 from pdecomp.components import LinearFn, frozen_linear
-from pdecomp.config import ModelConfig
+from pdecomp.config import ModelConfig, rope_problem
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -295,12 +295,16 @@ class _Tensors:
     """Lazy access to the tensors of a single-file or sharded safetensors checkpoint."""
 
     def __init__(self, path: Path):
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         index = path / "model.safetensors.index.json"
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                files = sorted(set(weight_map.values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise CheckpointError(f"{index}: unreadable index, need JSON with a "
+                                      f"weight_map of tensor -> shard file ({e})") from None
         elif (path / "model.safetensors").exists():
             files, weight_map = ["model.safetensors"], None
         else:
@@ -309,7 +313,13 @@ class _Tensors:
         for f in files:
             if not (path / f).exists():
                 raise CheckpointError(f"{path}: shard {f} named in the index is missing")
-            self.handles[f] = safe_open(str(path / f), framework="np")
+            # safe_open parses the header and checks that its tensors' offsets cover the file
+            # exactly: a truncated file or a damaged header fails here, before any read.
+            try:
+                self.handles[f] = safe_open(str(path / f), framework="np")
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{path / f}: unreadable safetensors file (truncated or "
+                                      f"damaged?): {str(e).splitlines()[0]}") from None
         only = self.handles[files[0]]
         self.where = weight_map or {k: files[0] for k in only.keys()}  # noqa: SIM118 - not a dict
 
@@ -329,7 +339,6 @@ class _Tensors:
 # name, and nothing downstream could tell.
 MODEL_TYPES = ("llama", "mistral")  # mistral: Llama's computation when sliding_window is null
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
-ROPE_TYPES = ("default", "llama3")
 NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "attention_bias": (lambda v: not v, "false (q/k/v/o projections without bias)"),
     "mlp_bias": (lambda v: not v, "false (MLP projections without bias)"),
@@ -364,11 +373,12 @@ def check_computable(data: dict[str, Any], where: str) -> None:
             raise CheckpointError(f"{where}: {key}={json.dumps(data[key])} is not computed by "
                                   f"this loader; allowed: {allowed}")
     for key in ("rope_scaling", "rope_parameters"):
-        rope = data.get(key) or {}
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind not in ROPE_TYPES:
-            raise CheckpointError(f"{where}: {key}.rope_type={kind!r} is not computed by this "
-                                  f"loader; allowed: {', '.join(ROPE_TYPES)}")
+        if problem := rope_problem(data.get(key)):
+            name, value, allowed = problem
+            what = f"{key}.{name}" if name else key
+            shown = f"{what} is missing" if value is None else (
+                f"{what}={value!r} is not computed by this loader")
+            raise CheckpointError(f"{where}: {shown}; {allowed}")
 
 
 def load_config(path: str | Path) -> LlamaConfig:

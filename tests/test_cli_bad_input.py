@@ -6,6 +6,8 @@ that the launcher refused before Hydra made a run (or sweep) directory.
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -60,6 +62,12 @@ CASES = [
      "data.eval_frac"),
     ("eval-pgd-negative-steps", ["+experiment=llama_tiny_chunkwise",
                                  "loss.eval_pgd.n_steps=-1"], "loss.eval_pgd.n_steps"),
+    ("preset-rope-yarn", ["+experiment=llama_tiny_chunkwise",
+                          "model.rope_scaling={rope_type:yarn,factor:4.0}"],
+     ("model.rope_scaling.rope_type", "default, llama3")),
+    ("preset-rope-llama3-without-factor",
+     ["+experiment=llama_tiny_chunkwise", "~model.rope_scaling.factor"],
+     ("model.rope_scaling.factor", "number > 0")),
 ]
 
 
@@ -98,3 +106,46 @@ def test_cases_are_distinct() -> None:
     argvs = [tuple(c[1]) for c in CASES]
     assert len(set(ids)) == len(ids) >= 16
     assert len(set(argvs)) == len(argvs)
+
+
+# -- damaged model directories: refused by the launcher's header check, before Hydra ---------
+
+FIXTURE = Path(__file__).parent / "fixtures" / "llama" / "gqa_llama3"
+FIXTURE_SITES = "layers.sites=[layers.1.mlp.gate_proj,layers.1.mlp.up_proj,layers.1.mlp.down_proj]"
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+# (id, config.json fields set, or a damage to model.safetensors; texts the line must hold
+#  besides the damaged file's path)
+MODEL_DAMAGE = [
+    ("truncated-weights", "truncated", ("model.safetensors", "truncated")),
+    ("garbage-header", "garbage", ("model.safetensors", "header")),
+    ("rope-yarn", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+     ("config.json", "rope_scaling.rope_type='yarn'", "default, llama3")),
+    ("rope-linear", {"rope_scaling": {"type": "linear", "factor": 2.0}},
+     ("config.json", "rope_scaling.rope_type='linear'")),
+    ("rope-dynamic", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
+     ("config.json", "rope_parameters.rope_type='dynamic'")),
+    ("rope-llama3-missing-field",
+     {"rope_scaling": {k: v for k, v in LLAMA3_ROPE.items() if k != "high_freq_factor"}},
+     ("config.json", "rope_scaling.high_freq_factor is missing", "number > 0")),
+]
+
+
+@pytest.mark.parametrize(("damage", "texts"),
+                         [pytest.param(d, t, id=i) for i, d, t in MODEL_DAMAGE])
+def test_a_damaged_model_directory_exits_2_naming_the_file(
+        damage: str | dict, texts: tuple[str, ...], env: dict[str, str], tmp_path: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    model = tmp_path_factory.mktemp("model") / "llama"
+    shutil.copytree(FIXTURE, model)
+    if isinstance(damage, dict):
+        cfg = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**cfg, **damage}))
+        named = model / "config.json"
+    else:
+        named = model / "model.safetensors"
+        data = named.read_bytes()
+        named.write_bytes(data[:len(data) // 2] if damage == "truncated" else
+                          data[:8] + b"\x00garbage" + data[16:])
+    refused(["+experiment=llama_tiny_chunkwise", f"model.path={model}", FIXTURE_SITES],
+            ("model.path", str(named), *texts), env, tmp_path)

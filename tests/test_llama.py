@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pdecomp.components import frozen_linear
-from pdecomp.llama import CheckpointError, init_llama, load_config, load_hf
+from pdecomp.llama import CheckpointError, check_hf, init_llama, load_config, load_hf
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llama"
 CHECKPOINTS = ["gqa_llama3", "tied_sharded"]
@@ -152,6 +152,75 @@ def test_checkpoints_it_would_not_compute_are_refused(tmp_path, config, message)
     with pytest.raises(CheckpointError, match=re.escape(message)) as e:
         load_hf(path)
     assert str(path / "config.json") in str(e.value) and "allowed" in str(e.value)
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+ROPE_REFUSED = [
+    ("dynamic", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+     "rope_scaling.rope_type='dynamic'"),
+    ("yarn-rope-parameters", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+                                                  "rope_theta": 1e4}},
+     "rope_parameters.rope_type='yarn'"),
+    ("llama3-no-low-freq", {"rope_scaling": {k: v for k, v in LLAMA3.items()
+                                             if k != "low_freq_factor"}},
+     "rope_scaling.low_freq_factor is missing"),
+    ("llama3-factor-text", {"rope_scaling": {**LLAMA3, "factor": "8"}},
+     "rope_scaling.factor='8'"),
+    ("llama3-band-inverted", {"rope_scaling": {**LLAMA3, "high_freq_factor": 1.0}},
+     "rope_scaling.high_freq_factor=1.0"),
+    ("not-a-mapping", {"rope_scaling": "llama3"}, "rope_scaling='llama3'"),
+]
+
+
+@pytest.mark.parametrize(("config", "message"),
+                         [pytest.param(c, m, id=i) for i, c, m in ROPE_REFUSED])
+def test_rope_settings_it_would_not_compute_are_refused_from_the_headers(tmp_path, config,
+                                                                        message):
+    """Every RoPE field the computation reads is checked with config.json, by the header
+    check the launcher runs (not only once the step is traced)."""
+    path = _variant(tmp_path, "v", **config)
+    with pytest.raises(CheckpointError, match=re.escape(message)) as e:
+        check_hf(path)
+    assert str(path / "config.json") in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "header-length", "header-json", "empty"])
+def test_a_damaged_safetensors_file_is_named(tmp_path, damage):
+    """A truncated file or a damaged header is a CheckpointError naming the file (it was the
+    safetensors library's own exception, with no file named)."""
+    path = _variant(tmp_path, damage)
+    damage_safetensors(path / "model.safetensors", damage)
+    with pytest.raises(CheckpointError, match="unreadable safetensors file") as e:
+        check_hf(path)
+    assert str(path / "model.safetensors") in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_damaged_shard_or_index_is_named(tmp_path):
+    sharded = tmp_path / "sharded"
+    shutil.copytree(FIXTURES / "tied_sharded", sharded)
+    shard = next(sharded.glob("model-00003-*.safetensors"))
+    damage_safetensors(shard, "truncated")
+    with pytest.raises(CheckpointError, match=re.escape(f"{shard}: unreadable safetensors")):
+        check_hf(sharded)
+    (sharded / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json: unreadable index"):
+        check_hf(sharded)
+
+
+def damage_safetensors(path: Path, damage: str) -> None:
+    """Damage a safetensors file in place the ways a copy or a download goes wrong."""
+    data = path.read_bytes()
+    if damage == "truncated":
+        path.write_bytes(data[:len(data) * 2 // 3])
+    elif damage == "header-length":  # the 8-byte header length, overwritten
+        path.write_bytes(b"\xff" * 8 + data[8:])
+    elif damage == "header-json":
+        path.write_bytes(data[:8] + b"#" * 16 + data[24:])
+    elif damage == "empty":
+        path.write_bytes(b"")
+    else:
+        raise AssertionError(damage)
 
 
 def test_a_tensor_it_would_not_compute_is_refused(tmp_path):
