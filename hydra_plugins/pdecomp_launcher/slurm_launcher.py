@@ -11,8 +11,9 @@ Preemption and time limits are handled inside the job (launcher.job, launcher.cl
 every rank checkpoints at one agreed step and the job requeues itself.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: Hydra's plugin scan (any Hydra app in the same
+# environment) executes this module before it is in sys.modules, and a dataclass with
+# string annotations then fails to build (dataclasses looks its module up there).
 import json
 import logging
 import os
