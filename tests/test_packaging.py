@@ -1,0 +1,87 @@
+"""The built wheel, installed into a fresh virtualenv, works outside the source tree: the
+configs come with it (package data), and Hydra finds the SLURM launcher plugin."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ok
+
+ROOT = Path(__file__).resolve().parent.parent
+# What the wheel is built from: the packages and the files pyproject.toml reads.
+SOURCES = ("pyproject.toml", "README.md", "pdecomp", "launcher", "hydra_plugins")
+WHERE = "import launcher.app, pdecomp; print(launcher.app.CONF_DIR); print(pdecomp.__file__)"
+# Hydra's own plugin scan, which any Hydra app in the environment runs at start.
+LAUNCHERS = ("from hydra.core.plugins import Plugins; "
+             "from hydra.plugins.launcher import Launcher; "
+             "print([c.__module__ for c in Plugins.instance().discover(Launcher)])")
+
+
+def run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 300
+        ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, check=False,
+                          timeout=timeout)
+
+
+def build_wheel(tmp: Path, env: dict[str, str]) -> Path:
+    """The wheel of a copy of the working tree's sources (the build writes into the tree it
+    builds, and the checkout is not this test's to write)."""
+    src = tmp / "src"
+    src.mkdir()
+    for name in SOURCES:
+        path = ROOT / name
+        if path.is_dir():
+            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(path, src / name)
+    ok(run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp / "dist"),
+            str(src)], tmp, env))
+    (wheel,) = (tmp / "dist").glob("pdecomp-*.whl")
+    return wheel
+
+
+@pytest.mark.slow
+def test_wheel_installs_and_runs_outside_the_checkout(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "VIRTUAL_ENV") and not k.startswith("WANDB_")}
+    env.update(PDECOMP_CACHE=str(tmp_path / "cache"), WANDB_MODE="offline",
+               WANDB_SILENT="true")
+    wheel = build_wheel(tmp_path, env)
+
+    venv = tmp_path / "venv"
+    ok(run([sys.executable, "-m", "venv", str(venv)], tmp_path, env))
+    python, pdecomp = str(venv / "bin" / "python"), str(venv / "bin" / "pdecomp")
+    # The repository's pins; pip's cache makes a second install quick.
+    ok(run([python, "-m", "pip", "install", "-q", "-c", str(ROOT / "constraints.txt"),
+            str(wheel)], tmp_path, env, timeout=600))
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+
+    where = ok(run([python, "-c", WHERE], work, env))
+    for line in where.stdout.split():
+        assert Path(line).is_relative_to(venv), line  # the installed copy, not the checkout
+
+    gate = ok(run([pdecomp, "gate.only=true", "logging.wandb=false",
+                   "hydra.run.dir=gate"], work, env))
+    assert json.loads((work / "gate" / "gate.json").read_text())["fits"], gate.stdout[-2000:]
+
+    ok(run([pdecomp, "optim.steps=50", "optim.faith_warmup_steps=10", "logging.wandb=false",
+            "hydra.run.dir=tms"], work, env))
+    summary = json.loads((work / "tms" / "summary.json").read_text())
+    assert summary["steps"] == 50 and "mmcs/linear1" in summary
+
+    ok(run([pdecomp, "+experiment=llama_tiny_chunkwise", "gate.only=true",
+            "logging.wandb=false", "hydra.run.dir=llama"], work, env))
+    assert (work / "llama" / "gate.json").is_file()
+
+    # Hydra's plugin scan finds the SLURM launcher, and `cluster=slurm` composes with it.
+    found = ok(run([python, "-c", LAUNCHERS], work, env))
+    assert "hydra_plugins.pdecomp_launcher.slurm_launcher" in found.stdout
+    defaults = ok(run([pdecomp, "--info", "defaults", "cluster=slurm"], work, env))
+    assert "hydra/launcher/pdecomp_slurm" in defaults.stdout
