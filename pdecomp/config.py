@@ -474,6 +474,8 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
         raise ConfigError("data.eval_frac", d.eval_frac, "must be in [0, 1)")
     if d.source in ("tokens", "hf_dataset") and not d.path and not cfg.gate.only:
         raise ConfigError("data.path", d.path, f"data.source={d.source} needs a path")
+    if d.source in ("tokens", "hf_dataset") and m.kind == "llama" and not cfg.gate.only:
+        _validate_tokens(cfg)
     _choice("gate.target", cfg.gate.target, GATE_TARGETS)
     me = cfg.mesh
     _positive("mesh.data", me.data, zero_ok=True)
@@ -580,6 +582,25 @@ def rope_problem(rope: Any) -> tuple[str, Any, str] | None:
             return "high_freq_factor", rope["high_freq_factor"], (
                 f"must be > low_freq_factor ({rope['low_freq_factor']}) for rope_type llama3")
     return None
+
+
+def _validate_tokens(cfg: RunConfig) -> None:
+    """The token source opened as the run will open it, every id checked against the vocab
+    and the dtype against its sidecar (pdecomp.data), so a bad file ends here, before the
+    launcher makes anything. The scan is kept per file, so the job reads it once more at
+    most (not at all when it runs in the launcher's process)."""
+    from pdecomp import data  # the data module imports this one
+
+    d, m = cfg.data, cfg.model
+    if m.path:  # checked by _validate_llama, which has imported the loader
+        from pdecomp import llama
+
+        vocab = llama.arch(m).vocab_size
+    else:
+        vocab = m.vocab_size
+    spec = data.TokenSpec(d.source, d.path, d.token_dtype, d.column, d.seq_len, vocab,
+                          cfg.seed)
+    data.open_tokens(spec).split(d.eval_frac, cfg.seed)
 
 
 def tied_sites(cfg: RunConfig) -> dict[str, str]:

@@ -17,8 +17,10 @@ consecutive tokens. Three sources (`TokenSpec.source`, config key `data.source`)
     ids, little-endian, either ``uint16`` (2 bytes each) or ``uint32`` (4 bytes each), as
     named by ``data.token_dtype``. No header, no separators: documents are back to back
     (put an end-of-text id between them if the model expects one). The file size must be a
-    multiple of the item size. It is memory-mapped, so only the windows drawn are read.
-    Write one with ``np.asarray(ids, dtype="<u2").tofile(path)``.
+    multiple of the item size. It is memory-mapped: opening it reads it once, in chunks,
+    to check every id; after that a step reads only the windows it draws.
+    Write one with `write_tokens`, which also writes the sidecar ``<file>.json`` recording
+    the dtype and the id count; a file with a sidecar is checked against it when opened.
 
 ``hf_dataset`` — a directory written by ``datasets.Dataset.save_to_disk``
     ``state.json`` lists ``_data_files`` (``[{"filename": "data-00000-of-00001.arrow"},
@@ -58,9 +60,13 @@ from pdecomp.config import DATA_SOURCES, TOKEN_DTYPES, ConfigError
 
 TOKEN_SOURCES = tuple(s for s in DATA_SOURCES if s != "toy")
 
-# Checked when a stream is opened: enough to catch a wrong dtype or tokenizer in
-# milliseconds, without reading a multi-GB file. Every batch is checked again anyway.
-_SAMPLE_TOKENS = 1_000_000
+# When a stream is opened every id is checked against the vocab, read in chunks of this
+# many ids from the memory map (32-64 MiB each, so the check's memory stays flat); every
+# batch is checked again as it is read.
+_SCAN_CHUNK = 1 << 24
+# A uint16 stream with fewer id pairs than this gets no statistical dtype verdict.
+_MIN_PAIRS = 64
+SIDECAR_FORMAT = "pdecomp tokens"
 
 
 @dataclass(frozen=True)
@@ -199,8 +205,52 @@ def open_tokens(spec: TokenSpec) -> TokenStream:
     if n < spec.seq_len + 1:
         raise ConfigError("data.seq_len", spec.seq_len,
                           f"{spec.path} holds {n} tokens; needs at least seq_len + 1")
-    _check_ids(spec, np.asarray(tokens[:_SAMPLE_TOKENS]))
+    scan = _scanned(spec, tokens)
+    _check_ids(spec, tokens, scan)
+    if spec.source == "tokens" and not sidecar_of(Path(spec.path)).is_file():
+        _check_not_uint32(spec, n, scan)
     return TokenStream(spec, tokens)
+
+
+def sidecar_of(path: Path) -> Path:
+    """`<file>.json` beside a flat token file: its dtype and id count, as written."""
+    return path.with_name(path.name + ".json")
+
+
+def write_tokens(path: str | Path, ids: np.ndarray | list[int], token_dtype: str) -> Path:
+    """Write a flat token file (`token_dtype`: one of TOKEN_DTYPES) and its sidecar. Ids
+    that the dtype cannot hold are refused rather than wrapped."""
+    path = Path(path)
+    dtype = np.dtype(token_dtype).newbyteorder("<")
+    arr = np.asarray(ids)
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > np.iinfo(dtype).max):
+        raise ValueError(f"ids in [{int(arr.min())}, {int(arr.max())}] do not fit "
+                         f"{token_dtype}")
+    arr.astype(dtype).tofile(path)
+    sidecar_of(path).write_text(json.dumps({"format": SIDECAR_FORMAT, "dtype": token_dtype,
+                                            "count": int(arr.size)}))
+    return path
+
+
+def _check_sidecar(spec: TokenSpec, path: Path, n_bytes: int) -> None:
+    """A sidecar, where there is one, must agree with data.token_dtype and the file's size."""
+    side = sidecar_of(path)
+    if not side.is_file():
+        return
+    try:
+        record = json.loads(side.read_text())
+        dtype, count = record["dtype"], int(record["count"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError("data.path", spec.path, f"its sidecar {side} is unreadable "
+                          f"(want JSON with dtype and count): {e}") from None
+    if dtype != spec.token_dtype:
+        raise ConfigError("data.token_dtype", spec.token_dtype,
+                          f"{side} records that {spec.path} holds {dtype} ids: set "
+                          f"data.token_dtype={dtype}")
+    n = n_bytes // np.dtype(dtype).itemsize
+    if n != count:
+        raise ConfigError("data.path", spec.path, f"holds {n} {dtype} ids; its sidecar {side} "
+                          f"records {count} (a truncated or appended file?)")
 
 
 def _open_flat_file(spec: TokenSpec) -> np.ndarray:
@@ -212,6 +262,7 @@ def _open_flat_file(spec: TokenSpec) -> np.ndarray:
         raise ConfigError("data.path", spec.path, "no such token file (source=tokens)")
     dtype = np.dtype(spec.token_dtype).newbyteorder("<")
     size = path.stat().st_size
+    _check_sidecar(spec, path, size)
     if size % dtype.itemsize:
         raise ConfigError("data.token_dtype", spec.token_dtype,
                           f"{spec.path} has {size} bytes, not a multiple of {dtype.itemsize}")
@@ -231,8 +282,8 @@ def _open_hf_dataset(spec: TokenSpec) -> ChunkedTokens:
         raise ConfigError("data.path", spec.path, f"data files missing: {', '.join(missing)}")
 
     # Flattened columns of the memory-mapped files, as numpy views: nothing is read here
-    # but the schema and the batch headers. Ids are checked like a flat file's: the first
-    # _SAMPLE_TOKENS now, every batch as it is read.
+    # but the schema and the batch headers. Ids are checked like a flat file's: all of them
+    # when the stream is opened, every batch as it is read.
     chunks: list[np.ndarray] = []
     for f in files:
         reader = pa.ipc.open_stream(pa.memory_map(str(f), "r"))
@@ -277,17 +328,95 @@ def _check_column(spec: TokenSpec, schema: pa.Schema) -> None:
                           f"must hold lists of integer token ids; its type is {t}")
 
 
-def _check_ids(spec: TokenSpec, ids: np.ndarray, offset: int = 0) -> None:
-    if not len(ids):
-        return
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0:
-        raise ConfigError("data.path", spec.path, f"holds negative token id {lo}")
-    if hi >= spec.vocab_size:
-        at = offset + int(np.argmax(ids >= spec.vocab_size))
+@dataclass(frozen=True)
+class IdScan:
+    """What one pass over a whole stream found: its smallest and largest id and, for a
+    uint16 file, the largest id at an odd position (`_check_not_uint32`)."""
+
+    lo: int
+    hi: int
+    odd_hi: int
+
+
+def _chunks(tokens: np.ndarray | ChunkedTokens) -> list[np.ndarray]:
+    """The stream as views of at most _SCAN_CHUNK ids, each starting at an even position."""
+    arrays = tokens.chunks if isinstance(tokens, ChunkedTokens) else [tokens]
+    return [a[i:i + _SCAN_CHUNK] for a in arrays for i in range(0, len(a), _SCAN_CHUNK)]
+
+
+def scan_ids(tokens: np.ndarray | ChunkedTokens) -> IdScan:
+    """One streamed pass over every id (a memory map is read a chunk at a time)."""
+    lo, hi, odd_hi = 0, 0, 0
+    for i, c in enumerate(_chunks(tokens)):
+        c_lo, c_hi = int(c.min()), int(c.max())
+        lo, hi = (c_lo, c_hi) if i == 0 else (min(lo, c_lo), max(hi, c_hi))
+        if c.dtype == np.dtype("<u2") and len(c) >= 2:
+            # A pair of uint16 ids read as one little-endian uint32 is even + odd << 16, so
+            # the pairs' largest value, shifted, is the largest odd-position id: one
+            # contiguous pass, no strided copy.
+            pairs = c[:len(c) // 2 * 2].view("<u4")
+            odd_hi = max(odd_hi, int(pairs.max()) >> 16)
+    return IdScan(lo, hi, odd_hi)
+
+
+# Scans by the stream's identity on disk (path, sizes, mtimes): a sweep's validation of
+# each combination and the job's own open read a file once per process.
+_SCANS: dict[tuple, IdScan] = {}
+
+
+def _scanned(spec: TokenSpec, tokens: np.ndarray | ChunkedTokens) -> IdScan:
+    if spec.source == "tokens":
+        files = [Path(spec.path)]
+    else:
+        root = _dataset_dir(spec)
+        files = [root / f["filename"]
+                 for f in json.loads((root / "state.json").read_text())["_data_files"]]
+    stats = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    key = (spec.source, spec.token_dtype, spec.column, stats)
+    if key not in _SCANS:
+        _SCANS[key] = scan_ids(tokens)
+    return _SCANS[key]
+
+
+def _check_ids(spec: TokenSpec, tokens: np.ndarray | ChunkedTokens, scan: IdScan) -> None:
+    if scan.lo < 0:
+        raise ConfigError("data.path", spec.path, f"holds negative token id {scan.lo}")
+    if scan.hi >= spec.vocab_size:
+        at = 0
+        for c in _chunks(tokens):  # only on the way to the error: where the first one is
+            if int(c.max()) >= spec.vocab_size:
+                at += int(np.argmax(c >= spec.vocab_size))
+                break
+            at += len(c)
         hint = "; check data.token_dtype" if spec.source == "tokens" else ""
-        raise ConfigError("data.path", spec.path, f"holds token id {hi} >= model vocab size "
-                          f"{spec.vocab_size} (the first such id is token {at}){hint}")
+        raise ConfigError("data.path", spec.path, f"holds token id {scan.hi} >= model vocab "
+                          f"size {spec.vocab_size} (the first such id is token {at}){hint}")
+
+
+def _check_not_uint32(spec: TokenSpec, n: int, scan: IdScan) -> None:
+    """Refuse a flat file without a sidecar that looks like uint32 ids read as uint16.
+
+    Read as uint16, a little-endian uint32 file is each id's low half then its high half,
+    and a high half is at most (vocab - 1) >> 16 (0 for vocabularies up to 65,536, 1 up to
+    131,072). So: every odd-position value at most that bound while some even-position value
+    is above it, over at least _MIN_PAIRS pairs. Real uint16 text has its odd positions
+    spread over the vocab as much as its even ones, and never passes for this.
+    Limits: a genuine uint16 stream whose every other id is tiny (0, or 0/1 above 65,536
+    ids) is refused (write it with `write_tokens`: a sidecar's dtype is taken as given);
+    a file of under _MIN_PAIRS pairs, or whose ids are all at most the bound, gets no
+    verdict. The other mistake, uint16 ids read as uint32 (even + odd x 65,536), needs no
+    statistic: such ids exceed any vocab below 65,536 x (largest odd-position id + 1), and
+    the vocab check refuses them; an odd count of uint16 ids fails the size check.
+    """
+    if spec.token_dtype != "uint16" or n % 2 or n // 2 < _MIN_PAIRS:
+        return
+    bound = (spec.vocab_size - 1) >> 16
+    if scan.odd_hi <= bound < scan.hi:
+        raise ConfigError("data.token_dtype", spec.token_dtype,
+                          f"{spec.path} looks like uint32 ids read as uint16: every id at an "
+                          f"odd position is <= {bound} (the high halves of uint32 ids); set "
+                          "data.token_dtype=uint32, or write the file with "
+                          "pdecomp.data.write_tokens to record its dtype")
 
 
 PHRASE_LEN = 8  # ids per phrase of the synthetic language

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import PDECOMP
 
@@ -149,3 +150,35 @@ def test_a_damaged_model_directory_exits_2_naming_the_file(
                           data[:8] + b"\x00garbage" + data[16:])
     refused(["+experiment=llama_tiny_chunkwise", f"model.path={model}", FIXTURE_SITES],
             ("model.path", str(named), *texts), env, tmp_path)
+
+
+# -- token files: every id and the dtype, checked by the launcher before Hydra ---------------
+
+TOKEN_CASES = [  # (id, how the file is written, data.token_dtype, texts the line must hold)
+    ("id-beyond-vocab-past-the-first-million", "late-bad-id", "uint32",
+     ("data.path", "token id 512 >= model vocab size 512", "token 1100000")),
+    ("uint32-file-read-as-uint16", "uint32-no-sidecar", "uint16",
+     ("data.token_dtype", "looks like uint32 ids read as uint16")),
+    ("sidecar-says-uint16", "uint16-sidecar", "uint32",
+     ("data.token_dtype", "tokens.bin.json", "data.token_dtype=uint16")),
+]
+
+
+@pytest.mark.parametrize(("written", "dtype", "texts"),
+                         [pytest.param(w, d, t, id=i) for i, w, d, t in TOKEN_CASES])
+def test_a_bad_token_file_exits_2_naming_it(written: str, dtype: str, texts: tuple[str, ...],
+                                            env: dict[str, str], tmp_path: Path,
+                                            tmp_path_factory: pytest.TempPathFactory) -> None:
+    from pdecomp.data import write_tokens
+
+    path = tmp_path_factory.mktemp("tokens") / "tokens.bin"
+    ids = np.random.default_rng(0).integers(0, 512, size=1_200_000)
+    if written == "late-bad-id":
+        ids[1_100_000] = 512  # llama_tiny's vocab is 512
+        write_tokens(path, ids, "uint32")
+    elif written == "uint32-no-sidecar":
+        ids.astype("<u4").tofile(path)
+    else:
+        write_tokens(path, ids, "uint16")
+    refused(["+experiment=llama_tiny_chunkwise", "data=tokens", f"data.path={path}",
+             f"data.token_dtype={dtype}"], texts, env, tmp_path)

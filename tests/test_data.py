@@ -177,7 +177,8 @@ def test_held_out_tail_is_never_trained_on(tmp_path):
 
 
 def test_batch_with_out_of_range_id_raises(tmp_path):
-    # The open-time check samples only the first 1M tokens; each batch is checked too.
+    # Opening checks every id; each batch is checked again as it is read (a stream built
+    # around ids the open never checked against this vocab).
     path = tmp_path / "t.bin"
     np.full(SEQ * 4, 500, dtype="<u2").tofile(path)
     stream = open_tokens(spec("tokens", path))
@@ -253,3 +254,87 @@ def test_bad_input_raises_config_error(tmp_path, case, key, words):
     assert e.value.key == key
     assert words in str(e.value)
     assert "\n" not in str(e.value)
+
+
+# -- the whole stream's ids and the file's dtype, checked when it is opened ------------------
+
+
+@pytest.mark.parametrize("chunk", [1 << 10, data._SCAN_CHUNK])
+def test_an_id_beyond_the_vocab_anywhere_in_the_file_is_refused(tmp_path, monkeypatch, chunk):
+    """Far past the first million ids, and across chunk ends of the streamed scan."""
+    monkeypatch.setattr(data, "_SCAN_CHUNK", chunk)
+    ids = np.random.default_rng(0).integers(0, 1_000, size=1_300_000)
+    ids[1_234_567] = 1_000
+    path = data.write_tokens(tmp_path / "t.bin", ids, "uint16")
+    with pytest.raises(ConfigError, match=r"token id 1000 >= model vocab size 1000 \(the first "
+                                          r"such id is token 1234567\)") as e:
+        open_tokens(spec("tokens", path, vocab_size=1_000))
+    assert e.value.key == "data.path" and "\n" not in str(e.value)
+    ids[1_234_567] = 999  # rewritten (one id longer): the old file's scan is not reused
+    data.write_tokens(path, [*ids, 5], "uint16")
+    assert open_tokens(spec("tokens", path, vocab_size=1_000)).n_tokens == len(ids) + 1
+
+
+def test_an_id_beyond_the_vocab_in_a_later_dataset_file_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "_SCAN_CHUNK", 64)
+    docs = [[1] * 50 for _ in range(40)] + [[2] * 30 + [77]]
+    with pytest.raises(ConfigError, match=r"token id 77 >= model vocab size 50 \(the first such "
+                                          r"id is token 2030\)"):
+        open_tokens(spec("hf_dataset", save_docs(tmp_path, docs, shards=3), vocab_size=50))
+
+
+@pytest.mark.parametrize("vocab", [32_000, 128_256])
+def test_uint32_ids_read_as_uint16_without_a_sidecar_are_refused(tmp_path, vocab):
+    """For a vocab above 65,535 the vocab check cannot see it: the high halves give it away."""
+    ids = np.random.default_rng(1).integers(0, vocab, size=4_000)
+    path = tmp_path / "t.bin"
+    ids.astype("<u4").tofile(path)  # written by another tool: no sidecar
+    with pytest.raises(ConfigError, match="looks like uint32 ids read as uint16") as e:
+        open_tokens(spec("tokens", path, vocab_size=vocab))
+    assert e.value.key == "data.token_dtype" and "data.token_dtype=uint32" in str(e.value)
+    assert open_tokens(spec("tokens", path, token_dtype="uint32", vocab_size=vocab)).n_tokens \
+        == len(ids)
+
+
+def test_uint16_ids_read_as_uint32_fail_the_vocab_check(tmp_path):
+    ids = np.random.default_rng(2).integers(0, 32_000, size=4_000)
+    path = tmp_path / "t.bin"
+    ids.astype("<u2").tofile(path)
+    with pytest.raises(ConfigError, match="check data.token_dtype"):
+        open_tokens(spec("tokens", path, token_dtype="uint32", vocab_size=32_000))
+
+
+def test_a_sidecar_names_the_dtype_and_the_count(tmp_path):
+    ids = np.random.default_rng(3).integers(0, 50_000, size=3_000)
+    path = data.write_tokens(tmp_path / "t.bin", ids, "uint32")
+    assert json.loads(data.sidecar_of(path).read_text()) == {
+        "format": "pdecomp tokens", "dtype": "uint32", "count": 3_000}
+    with pytest.raises(ConfigError, match=r"records that .* holds uint32 ids: set "
+                                          r"data.token_dtype=uint32") as e:
+        open_tokens(spec("tokens", path, vocab_size=50_000))
+    assert e.value.key == "data.token_dtype"
+    with path.open("ab") as f:  # appended to after the sidecar was written
+        f.write(b"\x00" * 8)
+    with pytest.raises(ConfigError, match="holds 3002 uint32 ids; its sidecar .* records 3000"):
+        open_tokens(spec("tokens", path, token_dtype="uint32", vocab_size=50_000))
+    data.sidecar_of(path).write_text("{")
+    with pytest.raises(ConfigError, match="sidecar .* is unreadable"):
+        open_tokens(spec("tokens", path, token_dtype="uint32", vocab_size=50_000))
+
+
+def test_a_sidecar_lets_a_stream_with_tiny_odd_ids_through(tmp_path):
+    """The statistical check's one false alarm (every other id 0) is what a sidecar is for."""
+    ids = np.zeros(2_000, dtype=np.int64)
+    ids[::2] = np.random.default_rng(4).integers(1, 1_000, size=1_000)
+    path = tmp_path / "t.bin"
+    ids.astype("<u2").tofile(path)
+    with pytest.raises(ConfigError, match="looks like uint32"):
+        open_tokens(spec("tokens", path, vocab_size=1_000))
+    data.write_tokens(path, ids, "uint16")
+    assert open_tokens(spec("tokens", path, vocab_size=1_000)).n_tokens == 2_000
+
+
+def test_write_tokens_refuses_ids_the_dtype_cannot_hold(tmp_path):
+    with pytest.raises(ValueError, match="do not fit uint16"):
+        data.write_tokens(tmp_path / "t.bin", [1, 70_000], "uint16")
+    assert not (tmp_path / "t.bin").exists()
