@@ -43,6 +43,12 @@ LLAMA3_ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor",
                       "original_max_position_embeddings")
 
 
+# Seeds (`seed`, `model.seed`) are integers in [0, SEED_MAX] for every model kind: numpy's
+# SeedSequence refuses negative entropy, a JAX key keeps 32 bits (2**32 is 0's key), and
+# the seeds derived by offset (evaluation: seed + 10,000; target retraining: model.seed +
+# 1,000 per attempt, its held-out language + 1,000,000) must stay distinct 32-bit keys.
+SEED_MAX = 2**31 - 1
+
 EXIT_BAD_CONFIG = 2  # the exit code of a run refused for its config
 EXIT_GATE_REFUSED = 3  # the exit code of a run whose memory gate refused it
 
@@ -359,6 +365,10 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
     `n_devices`: the devices the job has, where known (in the job, not for a deviceless
     gate, whose mesh is the planned hosts x GPUs)."""
     m = cfg.model
+    for key, seed in (("seed", cfg.seed), ("model.seed", m.seed)):
+        if not 0 <= seed <= SEED_MAX:
+            raise ConfigError(key, seed, f"must be an integer in [0, {SEED_MAX}] (for every "
+                              "model kind)")
     _choice("model.kind", m.kind, TARGETS)
     for key in ("n_features", "d_hidden", "d_embed", "n_layers", "train_steps", "train_batch_size"):
         # a pathless Llama with no training steps keeps its random weights

@@ -63,6 +63,13 @@ CASES = [
      "data.eval_frac"),
     ("eval-pgd-negative-steps", ["+experiment=llama_tiny_chunkwise",
                                  "loss.eval_pgd.n_steps=-1"], "loss.eval_pgd.n_steps"),
+    ("seed-negative-tms", ["seed=-1"], ("seed=-1", "[0, 2147483647]", "every model kind")),
+    ("seed-negative-resid-mlp", ["+experiment=resid_mlp1", "seed=-1"], "seed=-1"),
+    ("seed-negative-llama", ["+experiment=llama_tiny_chunkwise", "seed=-1"], "seed=-1"),
+    ("seed-beyond-32-bits", ["seed=4294967296"], "seed=4294967296"),
+    ("model-seed-negative-llama", ["+experiment=llama_tiny_chunkwise", "model.seed=-5"],
+     "model.seed=-5"),
+    ("seed-negative-inside-sweep", ["-m", "seed=0,-1"], "seed=-1"),
     ("preset-rope-yarn", ["+experiment=llama_tiny_chunkwise",
                           "model.rope_scaling={rope_type:yarn,factor:4.0}"],
      ("model.rope_scaling.rope_type", "default, llama3")),
@@ -182,3 +189,21 @@ def test_a_bad_token_file_exits_2_naming_it(written: str, dtype: str, texts: tup
         write_tokens(path, ids, "uint16")
     refused(["+experiment=llama_tiny_chunkwise", "data=tokens", f"data.path={path}",
              f"data.token_dtype={dtype}"], texts, env, tmp_path)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2**31 - 1])
+def test_the_seed_rule_accepts_the_same_seeds_for_every_model_kind(seed: int) -> None:
+    """One rule for every kind, at validation: what a toy accepts, a Llama accepts."""
+    import dataclasses
+
+    from test_lm import tiny_cfg
+
+    from pdecomp.config import ModelConfig, RunConfig, validate
+
+    resid = RunConfig(model=ModelConfig(name="resid", kind="resid_mlp", n_features=10,
+                                        d_hidden=10, d_embed=100),
+                      layers=dataclasses.replace(RunConfig().layers,
+                                                 sites=["layers.0.mlp_in", "layers.0.mlp_out"]))
+    for cfg in (RunConfig(), resid, tiny_cfg()):
+        cfg = dataclasses.replace(cfg, seed=seed, model=dataclasses.replace(cfg.model, seed=seed))
+        validate(cfg)
