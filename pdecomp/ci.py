@@ -1,6 +1,6 @@
 """Causal-importance (CI) functions and the two leaky squashings of their logits.
 
-`ci_lower` feeds every mask; `ci_upper` feeds importance minimality only (SPD_SEMANTICS.md).
+`ci_lower` feeds every mask; `ci_upper` feeds importance minimality only (docs/method.md).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Weightless RMSNorm of each site's input, concatenate along features (in the order of `d_in`),
 linear to d_model, `n_blocks` pre-norm blocks of bidirectional RoPE attention + GELU MLP,
-final norm, linear to ΣC, split per site (in the order of `C`) (SPD_SEMANTICS.md, "CI
-function").
+final norm, linear to ΣC, split per site (in the order of `C`) (docs/method.md, "Causal
+importance (CI)").
 """
 
 from __future__ import annotations

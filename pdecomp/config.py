@@ -108,7 +108,7 @@ class LayersConfig:
     delta: bool = True
     ci_fn: str = "mlp"  # one of CI_FN_TYPES
     ci_hidden: list[int] = field(default_factory=lambda: [16])
-    # global_transformer: one network over all sites' inputs (SPD_SEMANTICS.md)
+    # global_transformer: one network over all sites' inputs (docs/method.md)
     ci_d_model: int = 64
     ci_blocks: int = 2
     ci_heads: int = 4

@@ -2,7 +2,7 @@
 
 Nothing is allocated: the step is lowered on ShapeDtypeStructs carrying their shardings,
 and the compiled executable is what training then runs (no second compile).
-Peak per device = temp + argument + output − alias (docs/MEMORY_GATE.md).
+Peak per device = temp + argument + output − alias (docs/memory_gate.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The LM half of SPD_SEMANTICS.md on a tiny Llama: residual start, frozen path, KL, persistent
+"""The LM half of docs/method.md on a tiny Llama: residual start, frozen path, KL, persistent
 PGD (scopes, ascent, averaged gradient, 1 vs 8 devices) and the state's checkpoint round trip."""
 
 from __future__ import annotations

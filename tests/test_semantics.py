@@ -1,4 +1,4 @@
-"""Invariants of docs/SPD_SEMANTICS.md that a bug could break."""
+"""Invariants of docs/method.md that a bug could break."""
 
 from __future__ import annotations
 
