@@ -206,6 +206,9 @@ class OptimConfig:
     faith_warmup_steps: int = 200
     faith_warmup_lr: float = 0.01
     faith_warmup_weight_decay: float = 0.1
+    # A resume keeps the run's schedule: a changed optim.steps, lr, schedule, warmup or final
+    # fraction, PGD lr or p annealing is refused unless this is true (e.g. to extend a run).
+    allow_schedule_change: bool = False
 
 
 @dataclass(frozen=True)

@@ -156,16 +156,65 @@ def check_resumable(cfg: RunConfig, run_dir: Path) -> None:
         return
     ckpt = Checkpointer(ckpt_dir)
     state_abs = abstract_run(cfg, jax.random.PRNGKey(cfg.seed))[1]
-    why = None
+    why, resumed = None, None
     for step in ckpt.steps_newest_first():
         try:
             why = ckpt.mismatch(state_abs, step)
+            resumed = step
             break
         except UnreadableCheckpoint:
             continue
     ckpt.close()
     if why:
         raise ConfigError("hydra.run.dir", str(run_dir), f"its checkpoint at step {step} {why}")
+    if resumed is not None and not cfg.optim.allow_schedule_change:
+        check_schedule(cfg, run_dir, resumed)
+
+
+# The settings that are functions of the step, each laid out over optim.steps: the
+# learning-rate schedules (components, CI function, PGD sources) and p's annealing. A
+# resumed run that changed one would go on along another curve than its first steps took.
+SCHEDULE_KEYS = ("optim.steps",
+                 *(f"optim.{group}.{key}" for group in ("components", "ci_fn")
+                   for key in ("lr", "schedule", "warmup_frac", "final_frac")),
+                 "loss.pgd.lr", "loss.pgd.warmup_frac", "loss.p_start", "loss.p_end",
+                 "loss.p_anneal_start_frac", "loss.p_anneal_end_frac")
+
+
+def check_schedule(cfg: RunConfig, run_dir: Path, step: int) -> None:
+    """A resume keeps the schedule its run was trained on (the run directory's config.yaml),
+    or it is an error naming the first key that differs."""
+    import yaml
+
+    saved = run_dir / "config.yaml"
+    try:
+        before = yaml.safe_load(saved.read_text())
+    except (OSError, yaml.YAMLError):
+        return  # no record to hold the run to (a run directory from before config.yaml)
+    now = dc.asdict(cfg)
+    for key in SCHEDULE_KEYS:
+        old, new = _at(before, key), _at(now, key)
+        if old is not None and not _same(old, new):
+            raise ConfigError(key, new, f"the run in {run_dir} was trained to its checkpoint at "
+                              f"step {step} with {key}={old!r}, and resuming with another "
+                              f"value changes its schedule under it; keep {old!r}, or set "
+                              "optim.allow_schedule_change=true")
+
+
+def _at(tree: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal as values: YAML may hold 0.001 where the config has 1e-3 (or an int for 2.0)."""
+    try:
+        return math.isclose(float(a), float(b), rel_tol=1e-12, abs_tol=0.0)
+    except (TypeError, ValueError):
+        return a == b
 
 
 def abstract_run(cfg: RunConfig, key: Array) -> tuple[Any, TrainState]:
@@ -386,9 +435,12 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
         if done % log_every == 0 or done == steps or done == 1:  # step 1: where it started
             last = {k: float(v) for k, v in m.items()}
             if not all(math.isfinite(v) for v in last.values()):
+                ckpt.wait()  # a save in flight counts once it is complete
+                saved = ckpt.steps_newest_first()
                 ckpt.close()
-                raise FloatingPointError(f"non-finite loss at step {done}: {last}; the last "
-                                         f"checkpoint in {ckpt.directory} is intact")
+                kept = (f"the last checkpoint, step {saved[0]} in {ckpt.directory}, is intact"
+                        if saved else "no checkpoint was written before it")
+                raise FloatingPointError(f"non-finite loss at step {done}: {last}; {kept}")
             now = time.perf_counter()
             n_steps = done - max(history[-1]["step"] if history else 0, start)
             last["perf/step_s"] = (now - t_log) / n_steps

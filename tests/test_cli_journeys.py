@@ -155,7 +155,9 @@ def test_rerun_same_dir_resumes_from_checkpoint(full_run, env: dict[str, str],
     src = full_run[0]
     run_dir = copy_of(full_run, tmp_path / "resumed")
     more = [o for o in TINY if not o.startswith("optim.steps=")] + ["optim.steps=60"]
-    proc2 = ok(pdecomp([*more, *ALL_GROUPS, f"hydra.run.dir={run_dir}"], tmp_path, env))
+    # Extending a run changes its schedule: allowed only when asked for.
+    proc2 = ok(pdecomp([*more, *ALL_GROUPS, "optim.allow_schedule_change=true",
+                        f"hydra.run.dir={run_dir}"], tmp_path, env))
     assert "resumed from checkpoint" in proc2.stdout + proc2.stderr
     assert "at step 40" in proc2.stdout + proc2.stderr
     summary = load_json(run_dir / "summary.json")
@@ -185,6 +187,49 @@ def test_rerun_with_other_state_shapes_exits_2_and_keeps_the_run(
     after = files()
     assert after.keys() == before.keys(), after.keys() ^ before.keys()
     assert [p for p in after if after[p] != before[p]] == []
+
+
+@pytest.mark.parametrize("change", [
+    "optim.steps=60",  # the cosine decay stretched over more steps
+    "optim.components.lr=0.004",
+    "optim.ci_fn.schedule=cosine",
+    "loss.p_anneal_end_frac=0.5",
+])
+def test_rerun_with_a_changed_schedule_exits_2_and_keeps_the_run(
+        change: str, full_run, env: dict[str, str], tmp_path: Path) -> None:
+    run_dir = copy_of(full_run, tmp_path / "resumed")
+    before = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    key = change.split("=")[0]
+    args = [o for o in [*TINY, *ALL_GROUPS] if not o.startswith(key + "=")] + [change]
+    proc = pdecomp([*args, f"hydra.run.dir={run_dir}"], tmp_path, env)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"config error: {key}="), proc.stderr
+    assert "step 40" in lines[0] and "optim.allow_schedule_change=true" in lines[0], lines[0]
+    after = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    assert after.keys() == before.keys(), after.keys() ^ before.keys()
+    assert [p for p in after if after[p] != before[p]] == []  # config.yaml not rewritten
+
+
+def test_a_non_finite_loss_says_whether_a_checkpoint_exists(full_run, env: dict[str, str],
+                                                            tmp_path: Path) -> None:
+    blow_up = ["optim.components.lr=1e30", "optim.ci_fn.lr=1e30"]
+    lrs = ("optim.components.lr=", "optim.ci_fn.")
+    args = [o for o in [*TINY, *ALL_GROUPS] if not o.startswith(lrs)] + blow_up
+    fresh = pdecomp([*args, f"hydra.run.dir={tmp_path / 'fresh'}"], tmp_path, env)
+    assert fresh.returncode != 0
+    assert "non-finite loss at step 10:" in fresh.stderr, fresh.stderr[-3000:]  # logged: 10, 20
+    assert "no checkpoint was written before it" in fresh.stderr
+    assert "is intact" not in fresh.stderr
+
+    run_dir = copy_of(full_run, tmp_path / "resumed")  # checkpoints at 20 and 40
+    more = [o for o in args if not o.startswith("optim.steps=")] + [
+        "optim.steps=60", "optim.allow_schedule_change=true"]
+    resumed = pdecomp([*more, f"hydra.run.dir={run_dir}"], tmp_path, env)
+    assert resumed.returncode != 0
+    assert "non-finite loss at step 50:" in resumed.stderr, resumed.stderr[-3000:]
+    assert f"the last checkpoint, step 40 in {run_dir / 'checkpoints'}, is intact" in " ".join(
+        resumed.stderr.split()), resumed.stderr[-3000:]
 
 
 def test_a_damaged_checkpoint_is_set_aside_and_the_run_resumes_from_the_one_before(
