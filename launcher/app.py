@@ -11,19 +11,22 @@ import re
 import shutil
 import sys
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import hydra
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
 from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, open_dict
 
 from hydra_plugins.pdecomp_launcher import slurm_launcher
 from launcher import cluster
 from launcher.registry import register, to_run_config
-from pdecomp.config import EXIT_BAD_CONFIG, ConfigError, validate
+from pdecomp.config import EXIT_BAD_CONFIG, ConfigError, RunConfig, validate
 
 # Inside the package, so an installed wheel carries the configs (package data).
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")
@@ -84,11 +87,10 @@ def _one_line(e: Exception) -> str:
     return head + "; ".join(parts)
 
 
-def check_overrides(overrides: list[str]) -> bool:
-    """Compose and validate every combination of sweep values (the first MAX_CHECKED_COMBOS).
-    True when the composed launcher submits jobs (submitit) rather than running in-process."""
+def parse_overrides(overrides: list[str]) -> list[Override]:
+    """Hydra's parse of each override line, one at a time so a syntax error names its key."""
     parser, parsed = OverridesParser.create(), []
-    for line in overrides:  # one at a time, so a syntax error can name its key
+    for line in overrides:
         try:
             parsed += parser.parse_overrides([line])
         except OverrideParseException as e:
@@ -96,8 +98,40 @@ def check_overrides(overrides: list[str]) -> bool:
             why = "; ".join(x.strip() for x in str(e).splitlines()
                             if x.strip() and not x.startswith("See "))
             raise ConfigError(key or line, value, f"bad override syntax: {why}") from None
+    return parsed
+
+
+@contextmanager
+def conf_dir() -> Iterator[None]:
+    """Hydra initialised on the app's configs (whatever was initialised before is cleared)."""
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        yield
+    GlobalHydra.instance().clear()
+
+
+def compose_run(overrides: list[str]) -> tuple[RunConfig, str]:
+    """One run's validated config (overrides without sweeps; inside `conf_dir`), and the
+    `_target_` of the launcher it composes."""
+    composed = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+    launcher = str(composed.hydra.launcher.get("_target_", ""))
+    with open_dict(composed):  # Hydra's node holds job-time interpolations
+        del composed["hydra"]
+    cfg = to_run_config(composed)
+    validate(cfg)
+    return cfg, launcher
+
+
+def error_line(e: Exception) -> str:
+    """The one line a compose-time error is reported with."""
+    return str(e) if isinstance(e, ConfigError) else _one_line(e)
+
+
+def check_overrides(overrides: list[str]) -> bool:
+    """Compose and validate every combination of sweep values (the first MAX_CHECKED_COMBOS).
+    True when the composed launcher submits jobs (submitit) rather than running in-process."""
     choices: list[list[str]] = []
-    for o in parsed:
+    for o in parse_overrides(overrides):
         key = o.get_key_element()
         if key.lstrip("+~").startswith("hydra"):
             continue  # Hydra's own settings: Hydra checks them
@@ -105,16 +139,9 @@ def check_overrides(overrides: list[str]) -> bool:
             choices.append([f"{key}={v}" for v in o.sweep_string_iterator()])
         else:
             choices.append([o.input_line])
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+    with conf_dir():
         for combo in itertools.islice(itertools.product(*choices), MAX_CHECKED_COMBOS):
-            composed = compose(config_name="config", overrides=list(combo),
-                               return_hydra_config=True)
-            launcher = str(composed.hydra.launcher.get("_target_", ""))
-            with open_dict(composed):  # Hydra's node holds job-time interpolations
-                del composed["hydra"]
-            validate(to_run_config(composed))
-    GlobalHydra.instance().clear()
+            _, launcher = compose_run(list(combo))
     return not launcher.endswith("BasicLauncher")
 
 
@@ -157,11 +184,8 @@ def main() -> None:
     if overrides is not None:
         try:
             submits = check_overrides(overrides)
-        except ConfigError as e:
-            print(e, file=sys.stderr)
-            sys.exit(EXIT_BAD_CONFIG)
-        except Exception as e:  # noqa: BLE001 - Hydra's and OmegaConf's compose-time errors
-            print(_one_line(e), file=sys.stderr)
+        except Exception as e:  # noqa: BLE001 - ours, Hydra's and OmegaConf's compose-time errors
+            print(error_line(e), file=sys.stderr)
             sys.exit(EXIT_BAD_CONFIG)
         if submits and not {"-m", "--multirun"} & set(sys.argv):
             # Hydra uses its launcher in multirun mode only: a run submitted to a cluster is

@@ -112,8 +112,6 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
         if rank0:
             _discard(run_dir)
         sys.exit(EXIT_BAD_CONFIG)
-    if rank0:
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
 
     wb = WandbLogger(cfg, run_dir, resolved) if (cfg.logging.wandb and rank0) else None
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),

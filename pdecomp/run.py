@@ -20,6 +20,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import yaml
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
@@ -78,6 +79,19 @@ def write_json(path: Path, obj: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1, default=_jsonable))
     tmp.replace(path)
+
+
+CONFIG_FILE = "config.yaml"  # the resolved RunConfig, which `pdecomp.runs.load_run` reads
+
+
+def write_config(cfg: RunConfig, run_dir: Path) -> None:
+    """The resolved config as plain YAML (tuples as lists), atomically. Rank 0 only."""
+    if not is_main_process():
+        return
+    plain = json.loads(json.dumps(dc.asdict(cfg)))
+    tmp = run_dir / (CONFIG_FILE + ".tmp")
+    tmp.write_text(yaml.safe_dump(plain, sort_keys=False, allow_unicode=True))
+    tmp.replace(run_dir / CONFIG_FILE)
 
 
 def _jsonable(x: Any) -> Any:
@@ -329,6 +343,7 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
     run_dir = Path(run_dir)
     preflight(cfg, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    write_config(cfg, run_dir)
 
     # Mesh and shardings: the batch split on the data axis; target and state split on it too
     # (mesh.shard_state, FSDP) or replicated.

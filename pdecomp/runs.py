@@ -1,0 +1,88 @@
+"""A finished (or checkpointed) run, opened for a look: `load_run(run_dir)`.
+
+Everything comes from what the run wrote: the resolved config (config.yaml), the trained
+components and CI function (the latest checkpoint), the logged history and the summary. The
+target is the one the config names (a toy from its cache, a Llama from its directory).
+Everything is placed on one device, whatever mesh the run trained on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import yaml
+from jax.sharding import Mesh
+
+from pdecomp import sharding
+from pdecomp.checkpoint import Checkpointer
+from pdecomp.components import Components, with_tied
+from pdecomp.config import RunConfig, from_dict, tied_sites
+from pdecomp.run import CONFIG_FILE, abstract_run, load_target
+from pdecomp.train import TrainState
+
+
+class RunDirError(ValueError):
+    """A directory `load_run` cannot open; `str()` names it and says why, in one line."""
+
+
+@dataclass(frozen=True)
+class Run:
+    run_dir: Path
+    config: RunConfig
+    target: Any  # the frozen target (targets.TMS, targets.ResidMLP, llama.Llama)
+    components: Components  # every site's, tied followers included (V=Uᵀ of the leader)
+    ci_fn: Any  # the CI function: ci_fn(site inputs, components) -> CI logits per site
+    state: TrainState  # the whole checkpointed state (optimizer moments, adversary)
+    step: int  # the checkpoint's step
+    mesh: Mesh  # the one-device mesh everything is placed on
+    history: list[dict[str, float]]  # logged metrics ([] before the first log)
+    summary: dict[str, Any] | None  # final metrics; None while the run is unfinished
+    gate: dict[str, Any] | None  # the memory gate's report
+
+
+def read_config(run_dir: Path) -> RunConfig:
+    path = run_dir / CONFIG_FILE
+    if not path.is_file():
+        why = "does not exist" if not run_dir.is_dir() else f"has no {CONFIG_FILE}"
+        raise RunDirError(f"{run_dir}: not a pdecomp run directory ({why})")
+    return from_dict(RunConfig, yaml.safe_load(path.read_text()))
+
+
+def _read_json(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def load_run(run_dir: str | Path, log: Callable[[str], None] = print) -> Run:
+    """The run in `run_dir` at its latest checkpoint. Raises RunDirError for a directory
+    that is not a run or has no checkpoint. `log` hears about a toy target being trained (when the cache has none)."""
+    run_dir = Path(run_dir).absolute()
+    cfg = read_config(run_dir)
+    ckpt_dir = run_dir / "checkpoints"
+    if not ckpt_dir.is_dir():  # not made here: opening a Checkpointer would create it
+        raise RunDirError(f"{run_dir}: no checkpoints/ (a gate-only run, or one that "
+                          "stopped before its first checkpoint)")
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), (sharding.AXIS, sharding.MODEL))
+    layout = sharding.Layout(mesh, dict(cfg.mesh.rules))
+    target_abs, state_abs = abstract_run(cfg, jax.random.PRNGKey(cfg.seed))
+    target_abs, state_abs = sharding.place(target_abs, layout), sharding.place(state_abs, layout)
+    ckpt = Checkpointer(ckpt_dir)
+    try:
+        step = ckpt.latest_step()
+        if step is None:
+            raise RunDirError(f"{run_dir}: no checkpoint in {ckpt_dir}")
+        state = ckpt.restore(state_abs, step)
+    finally:
+        ckpt.close()
+    target, _ = load_target(cfg, target_abs, log)
+    return Run(run_dir=run_dir, config=cfg, target=target,
+               components=with_tied(state.components, tied_sites(cfg)), ci_fn=state.ci_fn,
+               state=state, step=step, mesh=mesh,
+               history=_read_json(run_dir / "history.json") or [],
+               summary=_read_json(run_dir / "summary.json"),
+               gate=_read_json(run_dir / "gate.json"))

@@ -1,0 +1,94 @@
+"""The Python API as a notebook uses it: compose as the CLI would, run, open the run."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import pdecomp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from launcher import api
+from pdecomp import metrics, targets
+from pdecomp.components import masked_linear
+from pdecomp.run import Hooks, evaluate
+
+QUIET = Hooks(log=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def cache(env: dict[str, str]) -> Iterator[None]:
+    """The module's toy-target cache, for the runs made in this process."""
+    previous = os.environ.get("PDECOMP_CACHE")
+    os.environ["PDECOMP_CACHE"] = env["PDECOMP_CACHE"]
+    yield
+    if previous is None:
+        os.environ.pop("PDECOMP_CACHE")
+    else:
+        os.environ["PDECOMP_CACHE"] = previous
+
+
+def test_compose_run_load_gives_the_runs_results(cache, tmp_path: Path) -> None:
+    cfg = api.compose(["+experiment=tms_5-2", "optim.steps=200", "logging.plots=false"])
+    assert cfg == api.compose(["optim.steps=200", "logging.plots=false"], preset="tms_5-2")
+    assert cfg.optim.steps == 200 and cfg.model.name == "tms_5-2"
+    summary = api.run(cfg, tmp_path / "run", QUIET)
+
+    run = api.load_run(tmp_path / "run")
+    assert run.config == cfg and run.step == 200 and run.summary == summary
+    assert [h["step"] for h in run.history] == [1, 100, 200]
+    assert run.gate is not None and run.gate["fits"]
+
+    # The run's final evaluation, recomputed from what was loaded: the same CI on the same
+    # held-out batches, the same ground-truth match (bit for bit: the same state).
+    again = evaluate(cfg, run.target, run.state, tmp_path, NamedSharding(run.mesh, P("data")))
+    assert again == {k: summary[k] for k in again}
+
+    # The masked forward of the loaded components: with the CI's masks (rounded at the
+    # threshold) it is far closer to the target than ablating every component.
+    x = targets.sample_inputs(jax.random.PRNGKey(1), cfg.model, 1000)
+    lower = metrics.causal_importances(run.target, run.components, run.ci_fn, x)
+
+    def error(kind: str) -> float:
+        masks = metrics.eval_masks(kind, lower, jax.random.PRNGKey(0), cfg.loss.ci_threshold,
+                                   delta=False)
+        out = run.target(x, masked_linear(run.components, masks))
+        return float(jnp.mean((out - run.target(x)) ** 2))
+
+    assert error("rounded") < 0.5 * error("zero"), (error("rounded"), error("zero"))
+
+
+@pytest.mark.parametrize("overrides", [["model=nope"], ["layers.C=-1"], ["nokey=3"],
+                                       ["layers.C=abc"], ["optim.steps=[1"]])
+def test_compose_fails_with_the_clis_line(overrides: list[str], env: dict[str, str],
+                                          tmp_path: Path) -> None:
+    with pytest.raises(api.ConfigError) as e:
+        api.compose(overrides)
+    cli = pdecomp(overrides, tmp_path, env)
+    assert cli.returncode == 2 and cli.stderr.strip() == str(e.value)
+    assert not any(tmp_path.iterdir())
+
+
+def test_compose_refuses_a_sweep() -> None:
+    with pytest.raises(api.ConfigError, match="optim.steps='1,2'.*one run"):
+        api.compose(["optim.steps=1,2"])
+
+
+def test_load_run_names_what_is_missing(cache, tmp_path: Path) -> None:
+    with pytest.raises(api.RunDirError, match=f"{tmp_path / 'nowhere'}: not a pdecomp run "
+                                              r"directory \(does not exist\)"):
+        api.load_run(tmp_path / "nowhere")
+    with pytest.raises(api.RunDirError, match=f"{tmp_path}: not a pdecomp run directory "
+                                              r"\(has no config.yaml\)"):
+        api.load_run(tmp_path)
+
+    gate_only = tmp_path / "gate"
+    api.run(api.compose(["gate.only=true"]), gate_only, QUIET)
+    with pytest.raises(api.RunDirError, match=f"{gate_only}: no checkpoints/"):
+        api.load_run(gate_only)
+    assert not (gate_only / "checkpoints").exists()  # looking made nothing
