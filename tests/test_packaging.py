@@ -17,6 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # What the wheel is built from: the packages and the files pyproject.toml reads.
 SOURCES = ("pyproject.toml", "README.md", "pdecomp", "launcher", "hydra_plugins")
 WHERE = "import launcher.app, pdecomp; print(launcher.app.CONF_DIR); print(pdecomp.__file__)"
+API = ("from launcher import api; run = api.load_run('tms'); "
+       "cfg = api.compose(['optim.steps=50', 'optim.faith_warmup_steps=10', "
+       "'logging.wandb=false']); print(run.step, run.config == cfg)")
 # Hydra's own plugin scan, which any Hydra app in the environment runs at start.
 LAUNCHERS = ("from hydra.core.plugins import Plugins; "
              "from hydra.plugins.launcher import Launcher; "
@@ -75,6 +78,9 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path: Path) -> None:
             "hydra.run.dir=tms"], work, env))
     summary = json.loads((work / "tms" / "summary.json").read_text())
     assert summary["steps"] == 50 and "mmcs/linear1" in summary
+    # The Python API, installed: composes from the packaged configs, opens the CLI's run.
+    api = ok(run([python, "-c", API], work, env))
+    assert api.stdout.split()[-2:] == ["50", "True"], api.stdout[-2000:]
 
     ok(run([pdecomp, "+experiment=llama_tiny_chunkwise", "gate.only=true",
             "logging.wandb=false", "hydra.run.dir=llama"], work, env))
