@@ -178,6 +178,10 @@ def _restore(record: tuple[Path, dict[str, bytes]] | None) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["analyze"]:  # a subcommand of its own, not a Hydra job
+        from pdecomp.analyze import main as analyze
+
+        sys.exit(analyze(sys.argv[2:]))
     cluster.split_cpu_devices()
     overrides = _overrides(sys.argv[1:])
     record = None

@@ -1,5 +1,6 @@
-"""Plots saved in the run directory: mean CI per component, and TMS directions; and the
-memory of a sweep's jobs, saved in the sweep directory."""
+"""Plots saved in the run directory: mean CI per component, and TMS directions; the
+analysis report's (firing frequency against norm, toys' CI per feature); and the memory of
+a sweep's jobs, saved in the sweep directory."""
 
 from __future__ import annotations
 
@@ -161,5 +162,56 @@ def plot_gate_sweep(labels: list[str], reports: list[dict], path: Path) -> Path:
         plt.setp(ax.get_xticklabels(), rotation=30, ha="right", rotation_mode="anchor")
         fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def plot_frequency_norm(sites: dict[str, tuple[np.ndarray, np.ndarray]], path: Path) -> Path:
+    """One scatter per site: each component's firing frequency against its weight norm
+    ‖V_c‖·‖U_c‖; dead components (frequency 0) drawn at the bottom edge in gray."""
+    n = len(sites)
+    cols = min(n, 3)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.8 * rows), squeeze=False)
+    for ax, (s, (freq, norm)) in zip(axes.flat, sites.items()):
+        live = freq > 0
+        floor = 0.5 * freq[live].min() if live.any() else 1e-6
+        ax.scatter(norm[live], freq[live], s=10, color="tab:blue", label="fires")
+        ax.scatter(norm[~live], np.full((~live).sum(), floor), s=10, color="lightgray",
+                   marker="v", label="dead")
+        ax.set_yscale("log")
+        ax.set_title(f"{s}: {int((~live).sum())} dead of {len(freq)}", fontsize=9)
+        ax.set_xlabel("‖V_c‖·‖U_c‖", fontsize=8)
+        ax.set_ylabel("firing frequency", fontsize=8)
+    for ax in list(axes.flat)[n:]:
+        ax.set_visible(False)
+    axes[0, 0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_feature_ci(ci: dict[str, np.ndarray], path: Path, threshold: float, value: float
+                    ) -> Path:
+    """Toys: one heat map per site of CI [feature, component] with a single feature on at
+    `value`; components that fire for some feature first, ordered by that feature, the
+    rest after them."""
+    fig, axes = plt.subplots(len(ci), 1, figsize=(9, 0.9 + 0.16 * max(
+        m.shape[0] for m in ci.values()) * len(ci) + 0.6 * len(ci)), squeeze=False)
+    for ax, (s, m) in zip(axes[:, 0], ci.items()):
+        fires = (m > threshold).any(0)
+        order = np.lexsort((np.arange(m.shape[1]), m.argmax(0), ~fires))
+        im = ax.imshow(m[:, order], aspect="auto", vmin=0, vmax=1, cmap="Blues",
+                       interpolation="nearest")
+        ax.set_title(f"{s}: CI with feature f alone at {value} ({int(fires.sum())} of "
+                     f"{m.shape[1]} components fire)", fontsize=9)
+        ax.set_ylabel("feature")
+        ax.set_xticks(range(m.shape[1]), [str(c) for c in order],
+                      fontsize=max(3, min(7, 400 // m.shape[1])), rotation=90)
+        fig.colorbar(im, ax=ax, fraction=0.03)
+    axes[-1, 0].set_xlabel("component")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -1,0 +1,454 @@
+"""A look inside a finished decomposition: `pdecomp analyze <run_dir>`.
+
+Per site, every component's firing frequency (the fraction of positions with CI above the
+run's `loss.ci_threshold`), mean and max CI and weight norm ‖V_c‖·‖U_c‖, with the dead
+ones (never firing on the analysed data) counted; for a language model, the top-K
+activating contexts of each component on held-out token windows; for a toy, the CI of each
+component when one feature is active alone. Written as a static HTML page (sortable tables,
+plots inline) with the plots as PNGs beside it, in `<run_dir>/analysis/`.
+
+The data is the run's own: a Llama reads the held-out split of its token stream (the one
+the final evaluation reads, `run.token_stream(cfg, held_out=True)`), a toy samples inputs
+from the evaluation seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import math
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array
+
+from pdecomp import metrics, plots, targets
+from pdecomp.config import EXIT_BAD_CONFIG, site_names_of
+from pdecomp.run import EVAL_SEED_OFFSET, token_stream
+from pdecomp.runs import Run, RunDirError, load_run
+
+OUT_DIR = "analysis"
+ONE_HOT_VALUE = 0.75  # the single-feature input value of metrics.one_hot_live (and the paper)
+CONTEXT_BEFORE, CONTEXT_AFTER = 12, 3  # tokens shown around a firing position
+
+
+@dataclass(frozen=True)
+class SiteStats:
+    """One site's components over the analysed positions (arrays of length C)."""
+
+    freq: np.ndarray  # fraction of positions with CI > threshold
+    mean_ci: np.ndarray
+    max_ci: np.ndarray
+    norm: np.ndarray  # ‖V[:, c]‖·‖U[c]‖, the Frobenius norm of the rank-one weight
+    positions: int  # how many positions (token positions, toy inputs) were analysed
+
+    @property
+    def dead(self) -> int:
+        return int((self.freq == 0).sum())
+
+
+@dataclass(frozen=True)
+class Context:
+    """One top activation of a component: the window's tokens around the firing position,
+    with the component's CI at each of them."""
+
+    ci: float
+    window: int  # index among the analysed held-out windows
+    position: int
+    tokens: list[str]
+    cis: list[float]
+    at: int  # index of the firing position in `tokens`
+    sep: str  # shown between tokens
+
+
+@dataclass(frozen=True)
+class Analysis:
+    run: Run
+    stats: dict[str, SiteStats]
+    contexts: dict[str, list[list[Context]]] | None  # site -> component -> top-K (LMs)
+    feature_ci: dict[str, np.ndarray] | None  # site -> CI [features, C] (toys)
+    data: str  # what was analysed, in words
+
+
+def weight_norms(run: Run) -> dict[str, np.ndarray]:
+    return {s: np.linalg.norm(np.asarray(c.V, np.float64), axis=0)
+            * np.linalg.norm(np.asarray(c.U, np.float64), axis=1)
+            for s, c in run.components.sites.items()}
+
+
+def _batch_reduce(threshold: float, top_k: int) -> Callable:
+    """Per site and batch: CI sum, count above threshold and max per component, and (top_k
+    > 0) each component's top_k CIs with their flat position and the CI along their row."""
+
+    @jax.jit  # target, components and CI function as arguments, not program constants
+    def reduce(target, components, ci_fn, x: Array) -> dict[str, tuple[Array, ...]]:
+        out = {}
+        for s, v in metrics.causal_importances(target, components, ci_fn, x).items():
+            flat = v.reshape(-1, v.shape[-1])  # [positions, C]
+            stats = (flat.sum(0), (flat > threshold).sum(0), flat.max(0))
+            if top_k:
+                val, idx = jax.lax.top_k(flat.T, min(top_k, flat.shape[0]))  # [C, k]
+                by_comp = jnp.moveaxis(v, -1, 0)  # [C, rows, T]
+                along = jax.vmap(lambda m, r: m[r])(by_comp, idx // v.shape[1])  # [C, k, T]
+                stats = (*stats, val, idx, along)
+            out[s] = stats
+        return out
+
+    return reduce
+
+
+def _lm_windows(run: Run, windows: int, batch_size: int) -> Iterator[np.ndarray]:
+    """The held-out windows the final evaluation reads, `batch_size` at a time (the last
+    batch shorter)."""
+    stream = token_stream(run.config, held_out=True)
+    B = run.config.data.batch_size
+    # Window w is row w % B of evaluation batch w // B: the first data.eval_batches * B
+    # windows are the very ones the final evaluation read.
+    pending = np.empty((0, run.config.data.seq_len), np.int32)
+    for step in range(math.ceil(windows / B)):
+        pending = np.concatenate([pending, stream.rows(step, B)[:windows - step * B]])
+        while len(pending) >= batch_size:
+            yield pending[:batch_size]
+            pending = pending[batch_size:]
+    if len(pending):
+        yield pending
+
+
+def _toy_inputs(run: Run, inputs: int, batch_size: int) -> Iterator[Array]:
+    key = jax.random.PRNGKey(run.config.seed + EVAL_SEED_OFFSET)
+    for i, first in enumerate(range(0, inputs, batch_size)):
+        yield targets.sample_inputs(jax.random.fold_in(key, i), run.config.model,
+                                    min(batch_size, inputs - first))
+
+
+class Tokens:
+    """Token id -> text: the model directory's tokenizer.json when it has one and the
+    `tokenizers` package is installed; the id otherwise."""
+
+    def __init__(self, model_path: str):
+        self.decode: Callable[[int], str] = str
+        self.sep = " "  # between ids; decoded tokens carry their own spaces
+        self.source = "token ids"
+        path = Path(model_path) / "tokenizer.json" if model_path else None
+        if path is None or not path.is_file():
+            return
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            self.source = f"token ids ({path} needs the tokenizers package)"
+            return
+        tok = Tokenizer.from_file(str(path))
+        self.decode = lambda i: tok.decode([i])
+        self.sep = ""
+        self.source = f"decoded with {path}"
+
+
+def component_stats(run: Run, windows: int = 256, inputs: int = 8192, top_k: int = 5,
+                    batch_size: int | None = None,
+                    progress: Callable[[int, int], None] | None = None
+                    ) -> tuple[dict[str, SiteStats], dict[str, list[list[Context]]] | None,
+                               str]:
+    """Stats of every site's components, and for a Llama the top_k contexts per component,
+    streamed over `windows` held-out windows (Llama) or `inputs` sampled inputs (toys) in
+    batches; `progress(done, total)` after each batch."""
+    cfg, thr = run.config, run.config.loss.ci_threshold
+    lm = cfg.model.kind == "llama"
+    B = batch_size or cfg.data.batch_size
+    total = windows if lm else inputs
+    if total <= 0:
+        raise ValueError(f"nothing to analyse: {total} {'windows' if lm else 'inputs'}")
+    batches = _lm_windows(run, windows, B) if lm else _toy_inputs(run, inputs, B)
+    reduce = _batch_reduce(thr, top_k if lm else 0)
+    sums: dict[str, np.ndarray] = {}
+    counts: dict[str, np.ndarray] = {}
+    maxes: dict[str, np.ndarray] = {}
+    best: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # site -> (ci, pos, row)
+    tokens: list[np.ndarray] = []
+    positions, done = 0, 0
+    for x in batches:
+        out = reduce(run.target, run.components, run.ci_fn, jnp.asarray(x))
+        rows = x.shape[0]
+        per_row = x.shape[1] if lm else 1
+        for s, (vsum, active, vmax, *top) in out.items():
+            sums[s] = sums.get(s, 0) + np.asarray(vsum, np.float64)
+            counts[s] = counts.get(s, 0) + np.asarray(active, np.int64)
+            maxes[s] = np.maximum(maxes.get(s, -np.inf), np.asarray(vmax, np.float64))
+            if top:
+                best[s] = _merge_top(best.get(s), top, positions, top_k)
+        if lm:
+            tokens.append(np.asarray(x))
+        positions += rows * per_row
+        done += rows
+        if progress:
+            progress(done, total)
+    norms = weight_norms(run)
+    order = [s for s in site_names_of(cfg.model) if s in sums]  # canonical, not sorted
+    stats = {s: SiteStats(counts[s] / positions, sums[s] / positions, maxes[s], norms[s],
+                          positions) for s in order}
+    if not lm:
+        return stats, None, f"{total} inputs sampled from the evaluation seed"
+    ids = np.concatenate(tokens)
+    decoder = Tokens(cfg.model.path)
+    contexts = {s: _contexts(best[s], ids, decoder) for s in best}
+    return stats, contexts, (f"{total} held-out windows of {cfg.data.seq_len} tokens "
+                             f"({cfg.data.source}), {decoder.source}")
+
+
+def _merge_top(old: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
+               new: Sequence[Array], offset: int, k: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The running top k per component: (CI [C, k], global flat position [C, k], CI along
+    the position's window [C, k, T]), merged with a batch's (positions offset)."""
+    val, idx, along = (np.asarray(a) for a in new)
+    idx = idx.astype(np.int64) + offset
+    if old is not None:
+        val, idx, along = (np.concatenate([o, n], axis=1)
+                           for o, n in zip(old, (val, idx, along)))
+    order = np.argsort(-val, axis=1, kind="stable")[:, :k]
+    return (np.take_along_axis(val, order, 1), np.take_along_axis(idx, order, 1),
+            np.take_along_axis(along, order[..., None], 1))
+
+
+def _contexts(best: tuple[np.ndarray, np.ndarray, np.ndarray], ids: np.ndarray,
+              decoder: Tokens) -> list[list[Context]]:
+    val, idx, along = best
+    T = ids.shape[1]
+    out = []
+    for c in range(val.shape[0]):
+        row = []
+        for v, i, cis in zip(val[c], idx[c], along[c]):
+            w, t = divmod(int(i), T)
+            lo, hi = max(t - CONTEXT_BEFORE, 0), min(t + CONTEXT_AFTER + 1, T)
+            row.append(Context(float(v), w, t, [decoder.decode(int(j)) for j in ids[w, lo:hi]],
+                               [float(x) for x in cis[lo:hi]], t - lo, decoder.sep))
+        out.append(row)
+    return out
+
+
+def feature_ci(run: Run) -> dict[str, np.ndarray]:
+    """Toys: per site, CI [features, C] of each component when feature f alone is on (at
+    ONE_HOT_VALUE), the paper's per-feature CI view."""
+    t = run.target
+    n = t.W.shape[0] if isinstance(t, targets.TMS) else t.W_E.shape[0]
+    ci = metrics.causal_importances(t, run.components, run.ci_fn,
+                                    ONE_HOT_VALUE * jnp.eye(n, dtype=jnp.float32))
+    return {s: np.asarray(v, np.float64) for s, v in ci.items()}
+
+
+def analyse(run: Run, windows: int = 256, inputs: int = 8192, top_k: int = 5,
+            batch_size: int | None = None,
+            progress: Callable[[int, int], None] | None = None) -> Analysis:
+    stats, contexts, data = component_stats(run, windows, inputs, top_k, batch_size, progress)
+    fci = None if run.config.model.kind == "llama" else feature_ci(run)
+    return Analysis(run, stats, contexts, fci, data)
+
+
+# -- the report ------------------------------------------------------------------------------
+
+_STYLE = """
+body{font:14px/1.4 system-ui,sans-serif;margin:1.5em auto;max-width:1200px;padding:0 1em;color:#222}
+h1{font-size:1.5em}h2{font-size:1.2em;margin-top:2em;border-bottom:1px solid #ccc}
+table{border-collapse:collapse;margin:.5em 0}td,th{padding:2px 8px;border-bottom:1px solid #eee;
+text-align:right;vertical-align:top}th{background:#f4f4f4;position:sticky;top:0}
+th.sortable{cursor:pointer}th.sortable:after{content:" \\2195";color:#999}
+td.l,th.l{text-align:left}tr.dead{color:#aaa}
+.ctx{font-family:ui-monospace,monospace;font-size:12px;white-space:pre-wrap;text-align:left}
+.ctx span{padding:0 1px;border-radius:2px}.ctx b{outline:1px solid #c00}
+img{max-width:100%}code{background:#f4f4f4;padding:0 3px}
+"""
+
+# Click a header to sort its table by that column (again to reverse); cells sort by their
+# data-v value when they have one. `index.html#sort=<table id>:<column>[:desc]` sorts on load.
+_SCRIPT = """
+function sortTable(table, col, desc) {
+  const body = table.tBodies[0];
+  const key = r => { const c = r.cells[col]; const v = c.dataset.v;
+    return v !== undefined ? parseFloat(v) : c.textContent; };
+  const rows = Array.from(body.rows);
+  rows.sort((a, b) => { const x = key(a), y = key(b);
+    const o = (typeof x === "number" && typeof y === "number") ? x - y : String(x).localeCompare(String(y));
+    return desc ? -o : o; });
+  rows.forEach(r => body.appendChild(r));
+  table.dataset.sorted = col + (desc ? ":desc" : ":asc");
+}
+document.querySelectorAll("table.sortable").forEach(t => {
+  t.querySelectorAll("th").forEach((th, i) => {
+    th.classList.add("sortable");
+    th.addEventListener("click", () => sortTable(t, i, t.dataset.sorted === i + ":asc"));
+  });
+});
+const m = location.hash.match(/^#sort=([^:]+):(\\d+)(:desc)?$/);
+if (m && document.getElementById(m[1])) sortTable(document.getElementById(m[1]), +m[2], !!m[3]);
+"""
+
+
+def _num(v: float, fmt: str = ".4g") -> str:
+    return f'<td data-v="{v!r}">{v:{fmt}}</td>'
+
+
+def _ctx_html(ctx: Context) -> str:
+    parts = []
+    for i, (tok, ci) in enumerate(zip(ctx.tokens, ctx.cis)):
+        alpha = min(max(ci, 0.0), 1.0)
+        # shading only where it shows: a report with thousands of contexts stays small
+        style = f' style="background:rgba(255,140,0,{alpha:.2f})"' if alpha >= 0.01 else ""
+        span = f'<span{style} title="CI {ci:.3f}">{html.escape(tok)}</span>'
+        parts.append(f"<b>{span}</b>" if i == ctx.at else span)
+    return (f'<div title="window {ctx.window}, position {ctx.position}">{ctx.ci:.3f}: '
+            + ctx.sep.join(parts) + "</div>")
+
+
+def _site_id(site: str) -> str:
+    return "site-" + "".join(ch if ch.isalnum() else "-" for ch in site)
+
+
+def _png_tag(path: Path, alt: str) -> str:
+    data = base64.b64encode(path.read_bytes()).decode()
+    return f'<p><img alt="{html.escape(alt)}" src="data:image/png;base64,{data}"></p>'
+
+
+def render(a: Analysis, out: Path) -> Path:
+    """Write the report into `out` (the plots as PNGs, then index.html with them inline)."""
+    run, cfg, thr = a.run, a.run.config, a.run.config.loss.ci_threshold
+    pngs = [plots.plot_mean_ci({s: {"mean_ci": v.mean_ci, "max_ci": v.max_ci,
+                                    "live": int((v.freq > 0).sum())}
+                                for s, v in a.stats.items()}, out / "mean_ci.png", thr),
+            plots.plot_frequency_norm({s: (v.freq, v.norm) for s, v in a.stats.items()},
+                                      out / "frequency_norm.png")]
+    if a.feature_ci is not None:
+        pngs.append(plots.plot_feature_ci(a.feature_ci, out / "feature_ci.png", thr,
+                                          ONE_HOT_VALUE))
+    h = [(f"<!doctype html><html><head><meta charset='utf-8'>"
+          f"<title>pdecomp analysis: {html.escape(run.run_dir.name)}</title>"
+          f"<style>{_STYLE}</style></head><body>"),
+         f"<h1>pdecomp analysis of <code>{html.escape(str(run.run_dir))}</code></h1>",
+         (f"<p>Model <code>{html.escape(cfg.model.name)}</code> ({cfg.model.kind}), "
+          f"checkpoint step {run.step} of {cfg.optim.steps}, {len(a.stats)} sites. Data: "
+          f"{html.escape(a.data)}. A component fires at a position when its CI exceeds "
+          f"<code>loss.ci_threshold</code> = {thr}; dead: never fires on this data. Weight "
+          f"norm: ‖V<sub>c</sub>‖·‖U<sub>c</sub>‖. Click a column header to sort.</p>"),
+         ("<h2>Sites</h2><table class='sortable' id='sites'><thead><tr><th class='l'>site</th>"
+          "<th>C</th><th>firing</th><th>dead</th><th>mean L0</th><th>positions</th>"
+          "</tr></thead><tbody>")]
+    for s, v in a.stats.items():
+        C = len(v.freq)
+        h.append(f"<tr><td class='l'><a href='#{_site_id(s)}'>{html.escape(s)}</a></td>"
+                 f"{_num(C, 'd')}{_num(C - v.dead, 'd')}{_num(v.dead, 'd')}"
+                 f"{_num(float(v.freq.sum()), '.3f')}{_num(v.positions, 'd')}</tr>")
+    h.append("</tbody></table><h2>Plots</h2>")
+    h += [_png_tag(p, p.stem) for p in pngs]
+    for s, v in a.stats.items():
+        sid = _site_id(s)
+        h.append(f"<h2 id='{sid}'>{html.escape(s)}</h2>"
+                 f"<p>{len(v.freq) - v.dead} firing, {v.dead} dead of {len(v.freq)}.</p>"
+                 f"<table class='sortable components' id='{sid}-components'><thead><tr>"
+                 "<th>component</th><th>frequency</th><th>mean CI</th><th>max CI</th>"
+                 "<th>norm</th>" + ("<th class='l'>top contexts</th>" if a.contexts else "")
+                 + "</tr></thead><tbody>")
+        for c in range(len(v.freq)):
+            dead = " class='dead'" if v.freq[c] == 0 else ""
+            row = (f"<tr{dead}>{_num(c, 'd')}{_num(float(v.freq[c]))}"
+                   f"{_num(float(v.mean_ci[c]))}{_num(float(v.max_ci[c]))}"
+                   f"{_num(float(v.norm[c]))}")
+            if a.contexts:  # a dead component's top CIs are all below the threshold
+                row += ("<td class='ctx'>" + ("".join(_ctx_html(x) for x in a.contexts[s][c])
+                                              if v.freq[c] else "never fires") + "</td>")
+            h.append(row + "</tr>")
+        h.append("</tbody></table>")
+    h.append(f"<script>{_SCRIPT}</script></body></html>")
+    index = out / "index.html"
+    index.write_text("\n".join(h), encoding="utf-8")
+    return index
+
+
+def write_report(a: Analysis, run_dir: Path) -> Path:
+    """Render into a temporary directory beside the final one, then swap it in: a failure
+    leaves the previous report (or none) and no partial one."""
+    final = run_dir / OUT_DIR
+    tmp = Path(tempfile.mkdtemp(prefix=f".{OUT_DIR}-", dir=run_dir))
+    try:
+        tmp.chmod(0o755)  # mkdtemp's is private; the report is for reading
+        render(a, tmp)
+        if final.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{OUT_DIR}-old-", dir=run_dir))
+            final.rename(old / OUT_DIR)
+            tmp.rename(final)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final / "index.html"
+
+
+def _progress_bar(total: int, label: str) -> tuple[Callable[[int, int], None],
+                                                    Callable[[], None]]:
+    """A rich progress bar on a terminal; nothing on a pipe or a file."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    bar = Progress("[progress.description]{task.description}", BarColumn(),
+                   MofNCompleteColumn(), TimeElapsedColumn(), transient=True,
+                   disable=not sys.stderr.isatty())
+    task = bar.add_task(label, total=total)
+    bar.start()
+    return (lambda done, _: bar.update(task, completed=done)), bar.stop
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pdecomp analyze",
+        description="Write a static HTML report on a finished run's components into "
+                    "<run_dir>/analysis/ (index.html and the plots as PNGs).")
+    p.add_argument("run_dir", help="a run directory (config.yaml and checkpoints/)")
+    p.add_argument("--top-k", type=int, default=5,
+                   help="language models: top activating contexts per component (default 5)")
+    p.add_argument("--windows", type=int, default=256,
+                   help="language models: held-out token windows to analyse (default 256)")
+    p.add_argument("--inputs", type=int, default=8192,
+                   help="toys: sampled inputs to analyse (default 8192)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="windows or inputs per batch (default: the run's data.batch_size)")
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parser().parse_args(argv)
+    for name in ("top_k", "windows", "inputs", "batch_size"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "top_k" else 1):
+            print(f"pdecomp analyze: --{name.replace('_', '-')}={value} must be "
+                  f"{'>= 0' if name == 'top_k' else '> 0'}", file=sys.stderr)
+            return EXIT_BAD_CONFIG
+    run_dir = Path(args.run_dir)
+    try:
+        run = load_run(run_dir, log=lambda line: print(line, file=sys.stderr))
+    except RunDirError as e:
+        print(f"{e}; pdecomp analyze expects a run directory with config.yaml and "
+              "checkpoints/", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    lm = run.config.model.kind == "llama"
+    total = args.windows if lm else args.inputs
+    update, stop = _progress_bar(total, "held-out windows" if lm else "inputs")
+    try:
+        a = analyse(run, args.windows, args.inputs, args.top_k, args.batch_size, update)
+    finally:
+        stop()
+    index = write_report(a, run.run_dir)
+    for s, v in a.stats.items():
+        print(f"{s}: {len(v.freq) - v.dead} firing, {v.dead} dead of {len(v.freq)}",
+              file=sys.stderr)
+    print(index)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

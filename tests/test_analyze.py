@@ -1,0 +1,215 @@
+"""`pdecomp analyze`: the report's numbers against a direct recomputation, the toys'
+per-feature CI, bad input, the atomic write, and the report opened in a real browser."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ok, pdecomp
+
+from pdecomp import analyze, metrics
+from pdecomp.run import token_stream
+from pdecomp.runs import load_run
+
+QUIET = ["logging.wandb=false", "logging.progress=false", "logging.plots=false"]
+SITE = "layers.1.mlp.up_proj"
+SITES = "[layers.1.mlp.gate_proj,layers.1.mlp.up_proj,layers.1.mlp.down_proj]"
+
+
+@pytest.fixture(scope="module")
+def cache(env: dict[str, str]) -> Iterator[None]:
+    """The module's target cache for what runs in this process (load_run reads it)."""
+    previous = os.environ.get("PDECOMP_CACHE")
+    os.environ["PDECOMP_CACHE"] = env["PDECOMP_CACHE"]
+    yield
+    if previous is None:
+        os.environ.pop("PDECOMP_CACHE")
+    else:
+        os.environ["PDECOMP_CACHE"] = previous
+
+
+@pytest.fixture(scope="module")
+def lm_report(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) -> Path:
+    """A short llama_tiny run (random weights, three sites, a few steps) and its report on
+    64 held-out windows, top 3 contexts."""
+    tmp = tmp_path_factory.mktemp("lm")
+    run_dir = tmp / "run"
+    ok(pdecomp(["+experiment=llama_tiny_chunkwise", "model.train_steps=0",
+                f"layers.sites={SITES}", "optim.steps=10", "optim.faith_warmup_steps=5",
+                "logging.log_every=5", "loss.eval_pgd.n_steps=0", "data.eval_batches=1",
+                *QUIET, f"hydra.run.dir={run_dir}"], tmp, env, timeout=600))
+    proc = ok(pdecomp(["analyze", str(run_dir), "--windows", "64", "--top-k", "3"], tmp,
+                      env))
+    assert proc.stdout.strip() == str(run_dir / "analysis" / "index.html")
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def tms_report(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) -> Path:
+    tmp = tmp_path_factory.mktemp("tms")
+    run_dir = tmp / "run"
+    ok(pdecomp(["+experiment=tms_5-2", "optim.steps=300", *QUIET,
+                f"hydra.run.dir={run_dir}"], tmp, env))
+    ok(pdecomp(["analyze", str(run_dir)], tmp, env))
+    return run_dir
+
+
+def table_rows(page: str, table_id: str) -> list[list[str]]:
+    """The rows of a table in the report (or the browser's DOM): each cell's data-v, or its
+    text where it has none."""
+    body = re.search(rf'<table[^>]*id="?\'?{re.escape(table_id)}["\'][^>]*>.*?<tbody>(.*?)'
+                     r"</tbody>", page, re.DOTALL)
+    assert body, f"no table {table_id}"
+    rows = re.findall(r"<tr[^>]*>(.*?)</tr>", body.group(1), re.DOTALL)
+    return [[m.group(1) if m.group(1) is not None else m.group(2)
+             for m in re.finditer(r'<td[^>]*?(?:data-v="([^"]*)"[^>]*)?>(.*?)</td>', r,
+                                  re.DOTALL)]
+            for r in rows]
+
+
+@pytest.mark.slow  # the llama_tiny run compiles for most of a minute
+def test_lm_report_matches_a_direct_recomputation(lm_report: Path, cache) -> None:
+    out = lm_report / "analysis"
+    assert sorted(p.name for p in out.iterdir()) == ["frequency_norm.png", "index.html",
+                                                     "mean_ci.png"]
+    page = (out / "index.html").read_text()
+    rows = table_rows(page, analyze._site_id(SITE) + "-components")
+    run = load_run(lm_report)
+    C = run.config.layers.C
+    assert len(rows) == C
+    freq, mean, mx, norm = (np.array([float(r[i]) for r in rows]) for i in range(1, 5))
+
+    # The same 64 held-out windows (two evaluation batches of 32), CI from the loaded CI
+    # function directly, on the whole set at once.
+    stream = token_stream(run.config, held_out=True)
+    x = jnp.asarray(np.concatenate([stream.rows(0, 32), stream.rows(1, 32)]))
+    ci = np.asarray(metrics.causal_importances(run.target, run.components, run.ci_fn,
+                                               x)[SITE]).reshape(-1, C)
+    thr = run.config.loss.ci_threshold
+    assert ci.shape[0] == 64 * run.config.data.seq_len
+    np.testing.assert_allclose(freq, (ci > thr).mean(0), atol=2 / ci.shape[0])
+    np.testing.assert_allclose(mean, ci.mean(0), rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(mx, ci.max(0), rtol=1e-4, atol=1e-7)
+    comp = run.components.sites[SITE]
+    np.testing.assert_allclose(norm, np.linalg.norm(np.asarray(comp.V), axis=0)
+                               * np.linalg.norm(np.asarray(comp.U), axis=1), rtol=1e-6)
+
+    # Dead components counted; the top context of a firing component is its max CI.
+    sites = {re.sub("<[^>]+>", "", r[0]): r for r in table_rows(page, "sites")}
+    assert int(sites[SITE][3]) == int(((ci > thr).sum(0) == 0).sum())
+    firing = int(np.argmax(freq))
+    top = re.search(r"<div[^>]*>([0-9.]+): ", rows[firing][5])
+    assert top and float(top.group(1)) == pytest.approx(mx[firing], abs=1e-3)
+    assert all(r[5] == "never fires" for r, f in zip(rows, freq) if f == 0)
+
+
+def test_tms_feature_ci(tms_report: Path, cache) -> None:
+    assert (tms_report / "analysis" / "feature_ci.png").is_file()
+    page = (tms_report / "analysis" / "index.html").read_text()
+    assert page.count("data:image/png;base64,") == 3  # mean CI, frequency/norm, feature CI
+    run = load_run(tms_report)
+    summary, thr = run.summary, run.config.loss.ci_threshold
+    assert summary is not None
+    for site, m in analyze.feature_ci(run).items():
+        assert m.shape == (5, run.config.layers.C)
+        lit = m > thr
+        # every feature lights a component, and the components some feature lights are the
+        # run's own count of them (metrics.one_hot_live, at the end of training)
+        assert lit.any(1).all(), (site, m.max(1))
+        assert int(lit.any(0).sum()) == summary[f"live_one_hot/{site}"]
+
+
+@pytest.mark.parametrize("case", ["missing", "not a run", "no checkpoints", "empty checkpoints"])
+def test_bad_run_dir_exits_2_with_one_line(case: str, tms_report: Path, tmp_path: Path,
+                                           env: dict[str, str]) -> None:
+    target = tmp_path / "d"
+    if case == "not a run":
+        target.mkdir()
+        (target / "notes.txt").write_text("x")
+    elif case != "missing":
+        target.mkdir()
+        shutil.copy(tms_report / "config.yaml", target)
+        if case == "empty checkpoints":
+            (target / "checkpoints").mkdir()
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    proc = pdecomp(["analyze", str(target)], tmp_path, env)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(target) in lines[0] and "expects a run directory" in lines[0]
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+
+
+def test_a_failed_write_leaves_the_previous_report(tms_report: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    run_dir = shutil.copytree(tms_report, tmp_path / "run")
+    before = (run_dir / "analysis" / "index.html").read_bytes()
+
+    def half(a, out: Path) -> Path:
+        (out / "index.html").write_text("half")
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(analyze, "render", half)
+    with pytest.raises(RuntimeError, match="disk full"):
+        analyze.write_report(None, run_dir)  # type: ignore[arg-type]
+    assert (run_dir / "analysis" / "index.html").read_bytes() == before
+    assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith(".analysis")) == []
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """Debian's Chromium, installed (once) when it is missing."""
+    found = shutil.which("chromium")
+    if found:
+        return found
+    if os.geteuid() != 0:
+        pytest.fail("chromium is not installed and this user cannot install it: run "
+                    "`apt-get install -y chromium` as root")
+    proc = subprocess.run(["apt-get", "install", "-y", "chromium"], capture_output=True,
+                          text=True, timeout=900, check=False)
+    if proc.returncode != 0 or not shutil.which("chromium"):
+        proc = subprocess.run("apt-get update && apt-get install -y chromium", shell=True,
+                              capture_output=True, text=True, timeout=900, check=False)
+    found = shutil.which("chromium")
+    if not found:
+        pytest.fail(f"could not install chromium (apt-get exit {proc.returncode}): "
+                    f"{proc.stderr.strip()[-500:]}")
+    return found
+
+
+def browse(chromium: str, url: str, tmp: Path, *flags: str) -> str:
+    proc = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu",
+                           f"--user-data-dir={tmp / 'profile'}", *flags, url],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+@pytest.mark.slow  # reads the llama_tiny run's report
+def test_the_report_renders_in_a_browser(chromium: str, lm_report: Path, cache,
+                                         tmp_path: Path) -> None:
+    index = lm_report / "analysis" / "index.html"
+    table = analyze._site_id(SITE) + "-components"
+    # sorted on load by frequency, descending, through the page's own script
+    dom = browse(chromium, f"{index.as_uri()}#sort={table}:1:desc", tmp_path, "--dump-dom")
+    run = load_run(lm_report)
+    assert "function sortTable" in dom and "addEventListener(\"click\"" in dom
+    assert len(table_rows(dom, "sites")) == len(run.config.layers.sites) == 3
+    for site in run.config.layers.sites:
+        assert len(table_rows(dom, analyze._site_id(site) + "-components")) == \
+            run.config.layers.C
+    freq = [float(r[1]) for r in table_rows(dom, table)]
+    assert freq == sorted(freq, reverse=True) and freq[0] > 0
+    assert f'id="{table}" data-sorted="1:desc"' in dom
+    assert dom.count("<img") == 2
+
+    shot = tmp_path / "shot.png"
+    browse(chromium, index.as_uri(), tmp_path, f"--screenshot={shot}", "--window-size=1200,900")
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
