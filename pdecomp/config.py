@@ -584,6 +584,10 @@ def rope_problem(rope: Any) -> tuple[str, Any, str] | None:
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ROPE_TYPES:
         return "rope_type", kind, f"allowed: {', '.join(ROPE_TYPES)}"
+    # transformers 5 keeps this among the RoPE parameters; it rotates part of each head only
+    if rope.get("partial_rotary_factor", 1) != 1:
+        return "partial_rotary_factor", rope["partial_rotary_factor"], (
+            "allowed: 1.0 (RoPE over the whole head)")
     if kind == "llama3":
         for name in LLAMA3_ROPE_FIELDS:
             value = rope.get(name)

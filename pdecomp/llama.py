@@ -351,6 +351,8 @@ NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "use_qk_norm": (lambda v: not v, "false"),
     "attn_logit_softcapping": (lambda v: v is None, "null"),
     "final_logit_softcapping": (lambda v: v is None, "null"),
+    # transformers rotates only this fraction of each head's dimensions when it is set
+    "partial_rotary_factor": (lambda v: v == 1, "1.0 (RoPE over the whole head)"),
 }
 # Tensors that carry no computation of their own: RoPE's frequencies (recomputed from the
 # config) and, with tied embeddings, a stored copy of the head (transformers ties it over).

@@ -140,6 +140,10 @@ REFUSED = [
     ("linear-rope-legacy-key", {"rope_scaling": {"type": "linear", "factor": 2.0}},
      "rope_type='linear'"),
     ("softcap", {"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+    ("partial-rope", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+    ("partial-rope-v5", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                             "partial_rotary_factor": 0.5}},
+     "rope_parameters.partial_rotary_factor=0.5"),
 ]
 
 
