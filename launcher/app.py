@@ -26,6 +26,7 @@ from omegaconf import DictConfig, open_dict
 from hydra_plugins.pdecomp_launcher import slurm_launcher
 from launcher import cluster
 from launcher.registry import register, to_run_config
+from pdecomp import hardware
 from pdecomp.config import EXIT_BAD_CONFIG, ConfigError, RunConfig, validate
 
 # Inside the package, so an installed wheel carries the configs (package data).
@@ -183,6 +184,7 @@ def main() -> None:
 
         sys.exit(analyze(sys.argv[2:]))
     cluster.split_cpu_devices()
+    hardware.no_gpu_autotuning_without_gpus()
     overrides = _overrides(sys.argv[1:])
     record = None
     if overrides is not None:

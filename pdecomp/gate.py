@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jaxlib
 
 from pdecomp.units import GiB, fmt_bytes
 
@@ -100,6 +101,9 @@ def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, 
         "xla_peak_bytes": sizes["xla_peak"],
         "cap_bytes": cap_bytes, "cap_source": cap_source, "headroom_bytes": cap_bytes - peak,
         "fits": peak <= cap_bytes, "compile_s": round(compile_s, 3), "flops": flops, "matmul_flops": mm_flops,
+        # the figures are XLA's of this jaxlib: another version assigns buffers differently
+        "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "argument_parts_bytes": parts or {},
         "largest_temps": temps,
     }
@@ -111,7 +115,8 @@ def program_flops(lowered: Any) -> float | None:
     A loop's body counts once, whatever its trip count: compare figures of the same loop
     structure (same microbatch count), or use `matmul_flops`. A deviceless GPU target has
     no backend of its own to analyse with, so the host's CPU backend analyses the same
-    (unoptimized, unpartitioned) module."""
+    (unoptimized, unpartitioned) module. (Run beside the compile in a thread, it made the
+    8B preset's gate slower, not faster.)"""
     try:
         cost = lowered.cost_analysis()
     except Exception:  # noqa: BLE001 - an estimate; a backend without one is not an error
@@ -159,7 +164,10 @@ def matmul_flops(jaxpr: Any) -> int:
 
 # A detached compile still generating code, and its dump directory: `end_process` leaves it.
 _detached: list[tuple[threading.Thread, str]] = []
-_MEMORY_REPORT = "*after_optimizations-memory-usage-report.txt"  # written after the assignment
+# What the report reads from the dump: the buffer assignment, and the optimized HLO that
+# names the temporaries' operations.
+_ASSIGNMENT = "*after_optimizations-buffer-assignment.txt"
+_OPTIMIZED_HLO = "*after_optimizations.txt"
 _STALE_DUMP_S = 3600  # a detached compile writes on after its process exits; swept later
 
 
@@ -170,6 +178,32 @@ def _sweep_stale_dumps() -> None:
         with contextlib.suppress(OSError):
             if os.path.getmtime(d) < cutoff:
                 shutil.rmtree(d, ignore_errors=True)
+
+
+def _open_files() -> set[str] | None:
+    """Paths this process holds open (Linux), or None where /proc cannot say."""
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return None
+    out = set()
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            out.add(os.readlink(f"/proc/self/fd/{fd}"))
+    return out
+
+
+def _dumped(dump: Path) -> bool:
+    """The buffer assignment and optimized HLO are on disk whole: present, not empty, and no
+    longer open for writing. XLA 0.10 wrote its dump files one after another, 0.11 creates them
+    together and fills them in other threads, so neither the presence of a file nor the order
+    of files says that another is complete. Where /proc does not say which files are open,
+    the answer is no, and the gate waits for the whole compile (slower, never wrong)."""
+    files = [p for pattern in (_ASSIGNMENT, _OPTIMIZED_HLO) for p in dump.glob(pattern)]
+    if len(files) < 2 or any(p.stat().st_size == 0 for p in files):
+        return False
+    held = _open_files()
+    return held is not None and not any(str(p.resolve()) in held for p in files)
 
 
 def _compile_detached(lowered, expected_argument: int | None
@@ -193,12 +227,12 @@ def _compile_detached(lowered, expected_argument: int | None
     thread = threading.Thread(target=work, name="pdecomp-gate-compile", daemon=True)
     thread.start()
     _detached.append((thread, dump))
-    while thread.is_alive() and not glob.glob(os.path.join(dump, _MEMORY_REPORT)):
+    while thread.is_alive() and not _dumped(Path(dump)):
         time.sleep(0.1)
     if "error" in result:
         raise result["error"]
-    assignment = sorted(Path(dump).glob("*after_optimizations-buffer-assignment.txt"))
-    sizes = assignment_sizes(assignment[-1]) if assignment else None
+    assignment = sorted(Path(dump).glob(_ASSIGNMENT))
+    sizes = assignment_sizes(assignment[-1]) if assignment and _dumped(Path(dump)) else None
     if thread.is_alive() and sizes is not None and expected_argument in (None,
                                                                          sizes["argument"]):
         return None, sizes, Path(dump)
@@ -259,7 +293,8 @@ def end_process(code: int) -> None:
 
 # -- XLA's buffer assignment: which operations the temporaries belong to --------------------
 
-_ALLOCATION = re.compile(r"^allocation \d+: size (\d+), (.*):$")
+# jaxlib 0.11 writes "page N, " before the kind; 0.10 does not.
+_ALLOCATION = re.compile(r"^allocation \d+: size (\d+), (?:page \d+, )?(.*):$")
 _VALUE = re.compile(r"^ value: <\d+ ([^ ]+) @[^>]*> \(size=(\d+),offset=\d+\): (.+)$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([^ ]+) = .*?metadata=\{([^}]*)\}")
 _TABLE_ROW = re.compile(r"^(\d+) (.+)$")
@@ -268,8 +303,8 @@ _TABLE_ROW = re.compile(r"^(\d+) (.+)$")
 def largest_temps(dump_dir: Path, n: int) -> list[dict[str, Any]]:
     """The `n` largest values living in temporary allocations, with the operation (JAX's
     op_name) and the innermost source line that made them, from an XLA dump directory."""
-    assignment = sorted(dump_dir.glob("*after_optimizations-buffer-assignment.txt"))
-    hlo = sorted(dump_dir.glob("*after_optimizations.txt"))
+    assignment = sorted(dump_dir.glob(_ASSIGNMENT))
+    hlo = sorted(dump_dir.glob(_OPTIMIZED_HLO))
     if not assignment or not hlo:
         return []
     values: dict[str, tuple[int, str]] = {}
@@ -368,6 +403,10 @@ def format_report(report: dict[str, Any]) -> list[tuple[str, str]]:
              ("headroom", fmt_bytes(report["headroom_bytes"])),
              ("fits", "yes" if report["fits"] else "NO"),
              ("compile", f"{report['compile_s']:.2f} s")]
+    if report.get("jaxlib"):
+        rows.append(("compiled by", f"jax {report['jax']}, jaxlib {report['jaxlib']}"))
+    if report.get("xla_flags"):
+        rows.append(("XLA_FLAGS", report["xla_flags"]))
     if report.get("note"):
         rows.append(("note", report["note"]))
     if report.get("matmul_flops"):

@@ -19,6 +19,7 @@ import ctypes
 import ctypes.util
 import functools
 import importlib
+import importlib.util
 import os
 import sys
 from dataclasses import dataclass
@@ -119,6 +120,34 @@ def target_config(spec: GpuSpec) -> str:
         f'device_description_str: "{spec.name}"',
     ]
     return "\n".join(lines) + "\n"
+
+
+# A compile-only GPU cannot time kernels: autotuning there only compiles the candidate
+# configurations of every fusion and keeps a default. Under jaxlib 0.11 that was half of the
+# 8B preset's compile (config-assigner, 49 of 103 s of XLA passes), and turning it off left
+# every figure of the gate unchanged in each configuration measured (bench/RESULTS.md).
+DEVICELESS_XLA_FLAGS = "--xla_gpu_autotune_level=0"
+
+
+def _jax_has_cuda() -> bool:
+    """An installed CUDA backend for jax (what a GPU machine has): its jobs autotune."""
+    try:
+        return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") is not None
+                   for v in (12, 13))
+    except ModuleNotFoundError:  # no jax plugin of any kind
+        return False
+
+
+def no_gpu_autotuning_without_gpus() -> None:
+    """Before JAX starts its backends: a process whose jax has no CUDA backend compiles for
+    GPUs only deviceless, so XLA's GPU autotuning is turned off (DEVICELESS_XLA_FLAGS). A
+    flag of the process, not a compile option: jax builds every compile's debug options from
+    the flags it parsed at start-up, and the autotuner ignored the same setting given as a
+    compile option. A setting of the user's own in XLA_FLAGS wins."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_gpu_autotune_level" in flags or _jax_has_cuda():
+        return
+    os.environ["XLA_FLAGS"] = f"{flags} {DEVICELESS_XLA_FLAGS}".strip()
 
 
 class GpuCompileUnavailable(RuntimeError):

@@ -12,6 +12,11 @@ from typing import Any
 
 import pytest
 
+from pdecomp import hardware
+
+# Before JAX starts its backends: the in-process deviceless gates compile as the CLI's do.
+hardware.no_gpu_autotuning_without_gpus()
+
 
 def console_script(name: str) -> str:
     """The project's virtualenv script `name`, else whatever is on PATH."""
