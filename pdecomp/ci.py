@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from pdecomp.ci_global import GlobalCITransformer
-from pdecomp.components import Components, Gather, as_stored
+from pdecomp.components import Components
 from pdecomp.config import LayersConfig
 
 ALPHA = 0.01
@@ -198,13 +198,11 @@ class CIFunction(eqx.Module):
     # its CI (`memory.stream_ci`) recomputes a site's logits where they are used instead of
     # keeping every site's [*pos, C] logits for the whole step.
 
-    def features(self, site_inputs: Mapping[str, Array], remat: bool = False,
-                 gather: Gather = as_stored) -> Any:
+    def features(self, site_inputs: Mapping[str, Array], remat: bool = False) -> Any:
         """What every site's logits are computed from: the global network's final hidden
-        state [*pos, d_model] (`remat`: its blocks rematerialized; `gather`: a block's
-        weights to the layout its matmuls use), or the site inputs."""
+        state [*pos, d_model] (`remat`: its blocks rematerialized), or the site inputs."""
         if self.global_net is not None:
-            return self.global_net.hidden(site_inputs, remat, gather)
+            return self.global_net.hidden(site_inputs, remat)
         return dict(site_inputs)
 
     def site_logits(self, features: Any, site: str, components: Components

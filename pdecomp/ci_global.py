@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from pdecomp.components import Gather, as_stored
 from pdecomp.llama import apply_rope, rms_norm, rope_inv_freq, rope_tables
 
 ROPE_THETA = 10000.0
@@ -130,11 +129,11 @@ class GlobalCITransformer(eqx.Module):
         return jnp.matmul(h, self.w_out[i].astype(h.dtype),
                           preferred_element_type=jnp.float32) + self.b_out[i]
 
-    def hidden(self, site_inputs: Mapping[str, Array], remat: bool = False,
-               gather: Gather = as_stored) -> Float[Array, "*pos d_model"]:
+    def hidden(self, site_inputs: Mapping[str, Array], remat: bool = False
+               ) -> Float[Array, "*pos d_model"]:
         """The final (normed) hidden state every site's logits read. `remat`: the backward
         recomputes each block from its input rather than keeping every block's attention
-        scores. `gather`: a block's weights as stored to the layout its matmuls use."""
+        scores."""
         xs = [site_inputs[s] for s in self.sites]
         for s, x, d in zip(self.sites, xs, self.d_in):
             if x.ndim < 2 or x.shape[-1] != d:
@@ -156,7 +155,7 @@ class GlobalCITransformer(eqx.Module):
                   self.w_up, self.w_down)
 
         def body(h, w):
-            return self._block(h, gather(w), cos, sin), None
+            return self._block(h, w, cos, sin), None
 
         h, _ = jax.lax.scan(jax.checkpoint(body) if remat else body, h, blocks)
         h = rms_norm(h, self.final_norm.astype(dtype), NORM_EPS)

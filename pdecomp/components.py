@@ -8,7 +8,7 @@ function; `masked_linear` runs the live sites through their masked components.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -17,14 +17,6 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 LinearFn = Callable[[str, Array, Array], Array]
-# One layer's weights (a pytree) as stored, split over devices when the state is FSDP, to
-# the layout its matmuls read them in; the step's layout supplies it, off a mesh it is the
-# identity.
-Gather = Callable[[Any], Any]
-
-
-def as_stored(weights: Any) -> Any:
-    return weights
 
 
 def frozen_linear(site: str, x: Array, W: Array) -> Array:

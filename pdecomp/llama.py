@@ -28,7 +28,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
-from pdecomp.components import Gather, LinearFn, as_stored, frozen_linear
+from pdecomp.components import LinearFn, frozen_linear
 from pdecomp.config import ModelConfig, rope_problem
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -192,14 +192,12 @@ class Llama(eqx.Module):
 
     def run_layers(self, h: Array, start: int, stop: int, linear: LinearFn = frozen_linear,
                    hooked: Sequence[int] = (), streams: dict[int, Array] | None = None,
-                   remat: bool = False, gather: Gather = as_stored) -> Array:
+                   remat: bool = False) -> Array:
         """Layers [start, stop): those in `hooked` unrolled with named sites, runs of the
         others under one scan each (compile time flat in depth). `streams`, when given,
         receives the residual stream entering each hooked layer. `remat`: a backward through
         the scanned layers recomputes each layer from its input instead of keeping every
-        layer's activations (attention scores included) at once. `gather` takes one layer's
-        weights as stored (split over devices, FSDP) to the layout its matmuls use: whole,
-        one layer at a time, as FSDP gathers them."""
+        layer's activations (attention scores included) at once."""
         rope = self.rope(h.shape[1])
         i = start
         while i < stop:
@@ -210,7 +208,7 @@ class Llama(eqx.Module):
 
                 if streams is not None:
                     streams[i] = h
-                h = self.block(h, gather(self.layer(i)), rope, site_linear)
+                h = self.block(h, self.layer(i), rope, site_linear)
                 i += 1
                 continue
             j = i
@@ -219,15 +217,14 @@ class Llama(eqx.Module):
             stacked = self.layer(slice(i, j))
 
             def body(carry, w):
-                return self.block(carry, gather(w), rope,
-                                  lambda _, x, W: frozen_linear("", x, W)), None
+                return self.block(carry, w, rope, lambda _, x, W: frozen_linear("", x, W)), None
 
             h, _ = jax.lax.scan(jax.checkpoint(body) if remat else body, h, stacked)
             i = j
         return h
 
-    def split(self, sites: Sequence[str], dtype: Any, remat_layers: bool = False,
-              gather: Gather = as_stored) -> tuple[Callable, Callable]:
+    def split(self, sites: Sequence[str], dtype: Any, remat_layers: bool = False
+              ) -> tuple[Callable, Callable]:
         """(prefix, suffix) around the first layer that holds a site.
 
         The prefix (embedding and the layers before it) runs once per batch outside every
@@ -242,19 +239,18 @@ class Llama(eqx.Module):
         start = hooked[0]
 
         def prefix(tokens: Array) -> Array:
-            return self.run_layers(self.embed_tokens(tokens).astype(dtype), 0, start,
-                                   gather=gather)
+            return self.run_layers(self.embed_tokens(tokens).astype(dtype), 0, start)
 
         def suffix(h: Array, linear: LinearFn = frozen_linear,
                    streams: dict[int, Array] | None = None,
                    live: Sequence[str] | None = None) -> Array:
             if live is None or not streams:
                 return self.logits(self.run_layers(h, start, self.n_layers, linear, hooked,
-                                                   streams, remat_layers, gather))
+                                                   streams, remat_layers))
             live_layers = sorted({site_layer(s) for s in live})
             first = live_layers[0]
             return self.logits(self.run_layers(streams[first], first, self.n_layers, linear,
-                                               live_layers, remat=remat_layers, gather=gather))
+                                               live_layers, remat=remat_layers))
 
         return prefix, suffix
 

@@ -84,17 +84,6 @@ class Layout:
         return jax.lax.with_sharding_constraint(
             x, NamedSharding(self.mesh, self.spec(names, x.shape)))
 
-    def gather(self, weights: Any) -> Any:
-        """A layer's weights whole on every device, where a matmul reads them: FSDP's gather,
-        one layer at a time. Left to itself, XLA's partitioner may instead split the matmul
-        along the weight's stored data-axis dimension, which needs the activations of the
-        whole batch on every device and then a reshard back to batch-on-data it can only do
-        by replicating the result ("involuntary full rematerialization")."""
-        if self.mesh.size == 1:
-            return weights
-        whole = NamedSharding(self.mesh, P())
-        return jax.tree.map(lambda w: jax.lax.with_sharding_constraint(w, whole), weights)
-
     def constrain_positions(self, x: Array) -> Array:
         """A [*pos, C] tensor: its first position axis on `data`, C on `model`."""
         return self.constrain(x, ("batch", *(None,) * (x.ndim - 2), "comp"))

@@ -23,7 +23,7 @@ import optax
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from pdecomp import data, llama, losses, threefry
-from pdecomp.components import Gather, LinearFn, as_stored, frozen_linear
+from pdecomp.components import LinearFn, frozen_linear
 from pdecomp.config import ModelConfig, site_names_of
 
 CACHE_VERSION = "1"  # bump when target code changes what a cached target means
@@ -56,9 +56,9 @@ class TMS(eqx.Module):
             h = linear(name, h, H)
         return jax.nn.relu(linear("linear2", h, self.W.T) + self.b)
 
-    def split(self, sites: Sequence[str], dtype: Any, remat_layers: bool = False,
-              gather: Gather = as_stored) -> tuple[Callable, Callable]:
-        del sites, remat_layers, gather
+    def split(self, sites: Sequence[str], dtype: Any, remat_layers: bool = False
+              ) -> tuple[Callable, Callable]:
+        del sites, remat_layers
         return _whole_forward(self, dtype)
 
     def _hidden_names(self) -> list[str]:
@@ -86,9 +86,9 @@ class ResidMLP(eqx.Module):
             resid = resid + linear(f"layers.{i}.mlp_out", h, self.W_out[i]) + self.b_out[i]
         return resid @ self.W_E.T
 
-    def split(self, sites: Sequence[str], dtype: Any, remat_layers: bool = False,
-              gather: Gather = as_stored) -> tuple[Callable, Callable]:
-        del sites, remat_layers, gather
+    def split(self, sites: Sequence[str], dtype: Any, remat_layers: bool = False
+              ) -> tuple[Callable, Callable]:
+        del sites, remat_layers
         return _whole_forward(self, dtype)
 
     def site_weights(self) -> dict[str, Array]:

@@ -31,7 +31,6 @@ from pdecomp import losses
 from pdecomp.ci import CIFunction, ci_lower, ci_upper
 from pdecomp.components import (
     Components,
-    as_stored,
     fold_tied,
     masked_linear,
     recording_linear,
@@ -291,7 +290,6 @@ def make_train_step(cfg: RunConfig, layout: Layout | None = None) -> Callable:
     tied = dict(spec.tied)
     n_micro = spec.microbatches
     pin = layout.constrain_positions if layout is not None else (lambda x: x)
-    gather = layout.gather if layout is not None else as_stored
     if cfg.memory.offload_opt_state:
         if layout is None:
             raise ValueError("memory.offload_opt_state needs the step's layout")
@@ -302,7 +300,7 @@ def make_train_step(cfg: RunConfig, layout: Layout | None = None) -> Callable:
 
     def train_step(state: TrainState, target, batch: Array) -> tuple[TrainState, dict]:
         key, step_key = jax.random.split(state.key)
-        prefix, suffix = target.split(spec.sites, dtype, spec.remat_layers, gather)
+        prefix, suffix = target.split(spec.sites, dtype, spec.remat_layers)
         weights = target.site_weights()
         p = losses.p_at(state.step, spec.total_steps, *spec.p)
 
@@ -412,7 +410,7 @@ def make_train_step(cfg: RunConfig, layout: Layout | None = None) -> Callable:
 
             def sums(acc, obs, m, at):
                 if spec.stream_ci:  # one site's logits at a time
-                    features = state.ci_fn.features(obs.site_inputs, gather=gather)
+                    features = state.ci_fn.features(obs.site_inputs)
                     S = {s: site_sums(state.ci_fn, features, comps, s)[0] for s in spec.sites}
                 else:
                     upper = {s: ci_upper(v)
@@ -437,7 +435,7 @@ def make_train_step(cfg: RunConfig, layout: Layout | None = None) -> Callable:
             def detached(obs):
                 if spec.stream_ci:
                     return obs, (state.ci_fn, jax.lax.stop_gradient(
-                        state.ci_fn.features(obs.site_inputs, gather=gather)))
+                        state.ci_fn.features(obs.site_inputs)))
                 return obs, jax.lax.stop_gradient(
                     {s: ci_lower(v) for s, v in state.ci_fn(obs.site_inputs, comps).items()})
 
@@ -463,7 +461,7 @@ def make_train_step(cfg: RunConfig, layout: Layout | None = None) -> Callable:
             # components (optimized_components), with gradients of their own.
             components = with_tied(stepped_components, tied)
             # 2. Causal importances, and imp-min's sums and the L0s from them.
-            features = ci_fn.features(obs.site_inputs, spec.remat_layers, gather)
+            features = ci_fn.features(obs.site_inputs, spec.remat_layers)
             if spec.stream_ci:
                 ci = (ci_fn, features)
                 S, l0 = {}, {}
