@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -107,3 +108,12 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     e.update(PDECOMP_CACHE=str(tmp_path_factory.mktemp("pdecomp_cache")),
              WANDB_MODE="offline", WANDB_SILENT="true")
     return e
+
+
+@pytest.fixture(scope="module")
+def cache(env: dict[str, str]) -> Iterator[None]:
+    """`env`'s target cache for what the module runs in this process too (decompose,
+    load_run), restored afterwards."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PDECOMP_CACHE", env["PDECOMP_CACHE"])
+        yield

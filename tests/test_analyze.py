@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -22,18 +21,6 @@ from pdecomp.runs import load_run
 QUIET = ["logging.wandb=false", "logging.progress=false", "logging.plots=false"]
 SITE = "layers.1.mlp.up_proj"
 SITES = "[layers.1.mlp.gate_proj,layers.1.mlp.up_proj,layers.1.mlp.down_proj]"
-
-
-@pytest.fixture(scope="module")
-def cache(env: dict[str, str]) -> Iterator[None]:
-    """The module's target cache for what runs in this process (load_run reads it)."""
-    previous = os.environ.get("PDECOMP_CACHE")
-    os.environ["PDECOMP_CACHE"] = env["PDECOMP_CACHE"]
-    yield
-    if previous is None:
-        os.environ.pop("PDECOMP_CACHE")
-    else:
-        os.environ["PDECOMP_CACHE"] = previous
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -19,18 +17,6 @@ from pdecomp.components import masked_linear
 from pdecomp.run import Hooks, evaluate
 
 QUIET = Hooks(log=lambda _: None)
-
-
-@pytest.fixture(scope="module")
-def cache(env: dict[str, str]) -> Iterator[None]:
-    """The module's toy-target cache, for the runs made in this process."""
-    previous = os.environ.get("PDECOMP_CACHE")
-    os.environ["PDECOMP_CACHE"] = env["PDECOMP_CACHE"]
-    yield
-    if previous is None:
-        os.environ.pop("PDECOMP_CACHE")
-    else:
-        os.environ["PDECOMP_CACHE"] = previous
 
 
 def test_compose_run_load_gives_the_runs_results(cache, tmp_path: Path) -> None:
