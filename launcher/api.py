@@ -42,7 +42,7 @@ def compose(overrides: Sequence[str] = (), preset: str | None = None) -> RunConf
                 raise ConfigError(o.get_key_element(), o.input_line.partition("=")[2],
                                   "compose makes one run; compose each value of a sweep")
         with app.conf_dir():
-            cfg, _ = app.compose_run(lines)
+            cfg = app.compose_run(lines).cfg
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - Hydra's and OmegaConf's compose-time errors

@@ -7,12 +7,15 @@ starts, so a bad value ends with one line and exit code 2, leaving no run direct
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import shutil
 import sys
+import tempfile
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
@@ -23,8 +26,7 @@ from hydra.core.override_parser.types import Override
 from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, open_dict
 
-from hydra_plugins.pdecomp_launcher import slurm_launcher
-from launcher import cluster
+from launcher import callbacks, cluster
 from launcher.registry import register, to_run_config
 from pdecomp import hardware
 from pdecomp.config import EXIT_BAD_CONFIG, ConfigError, RunConfig, validate
@@ -111,16 +113,29 @@ def conf_dir() -> Iterator[None]:
     GlobalHydra.instance().clear()
 
 
-def compose_run(overrides: list[str]) -> tuple[RunConfig, str]:
-    """One run's validated config (overrides without sweeps; inside `conf_dir`), and the
-    `_target_` of the launcher it composes."""
+@dataclass(frozen=True)
+class Composed:
+    """One composed run: its validated config, the `_target_` of the launcher it composes,
+    and the directories Hydra will make for it (relative to the working directory; their
+    `${now:}` part may come out a second later in the job)."""
+
+    cfg: RunConfig
+    launcher: str
+    run_dir: Path
+    sweep_dir: Path
+
+
+def compose_run(overrides: list[str]) -> Composed:
+    """One run (overrides without sweeps; inside `conf_dir`)."""
     composed = compose(config_name="config", overrides=overrides, return_hydra_config=True)
-    launcher = str(composed.hydra.launcher.get("_target_", ""))
+    hc = composed.hydra
+    launcher = str(hc.launcher.get("_target_", ""))
+    dirs = Path(str(hc.run.dir)), Path(str(hc.sweep.dir))
     with open_dict(composed):  # Hydra's node holds job-time interpolations
         del composed["hydra"]
     cfg = to_run_config(composed)
     validate(cfg)
-    return cfg, launcher
+    return Composed(cfg, launcher, *dirs)
 
 
 def error_line(e: Exception) -> str:
@@ -128,9 +143,9 @@ def error_line(e: Exception) -> str:
     return str(e) if isinstance(e, ConfigError) else _one_line(e)
 
 
-def check_overrides(overrides: list[str]) -> bool:
-    """Compose and validate every combination of sweep values (the first MAX_CHECKED_COMBOS).
-    True when the composed launcher submits jobs (submitit) rather than running in-process."""
+def check_overrides(overrides: list[str]) -> Composed:
+    """Compose and validate every combination of sweep values (the first MAX_CHECKED_COMBOS);
+    the first combination's run."""
     choices: list[list[str]] = []
     for o in parse_overrides(overrides):
         key = o.get_key_element()
@@ -140,10 +155,46 @@ def check_overrides(overrides: list[str]) -> bool:
             choices.append([f"{key}={v}" for v in o.sweep_string_iterator()])
         else:
             choices.append([o.input_line])
+    hydra_lines = [o for o in overrides if o.split("=", 1)[0].lstrip("+~").startswith("hydra")]
+    first = None
     with conf_dir():
         for combo in itertools.islice(itertools.product(*choices), MAX_CHECKED_COMBOS):
-            _, launcher = compose_run(list(combo))
-    return not launcher.endswith("BasicLauncher")
+            # Hydra's own settings too, for the directories they name (never swept here)
+            run = compose_run([*combo, *hydra_lines] if first is None else list(combo))
+            first = first or run
+    assert first is not None
+    return first
+
+
+def output_dir_problem(path: Path) -> str | None:
+    """Why Hydra could not make `path` and write in it, or None. Found for real: a directory
+    is made (and removed) where the first missing part of `path` would go, so a read-only
+    file system, missing permissions and a file in the way are all caught."""
+    existing = path
+    while not (existing.exists() or existing.is_symlink()):
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".pdecomp-", dir=existing))
+    except OSError as e:
+        return f"cannot make a directory in {existing}: {e.strerror}"
+    return None
+
+
+def missing_dirs(path: Path) -> list[Path]:
+    """`path` and those of its parents that do not exist yet, deepest first."""
+    return [p for p in (path, *path.parents) if not (p.exists() or p.is_symlink())]
+
+
+def remove_if_empty(dirs: list[Path]) -> None:
+    """Take back the directories a refused run made (deepest first), unless something else
+    was put in them meanwhile."""
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:
+            pass
 
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
@@ -186,22 +237,29 @@ def main() -> None:
     cluster.split_cpu_devices()
     hardware.no_gpu_autotuning_without_gpus()
     overrides = _overrides(sys.argv[1:])
-    record = None
+    record, made = None, []
     if overrides is not None:
         try:
-            submits = check_overrides(overrides)
+            run = check_overrides(overrides)
         except Exception as e:  # noqa: BLE001 - ours, Hydra's and OmegaConf's compose-time errors
             print(error_line(e), file=sys.stderr)
             sys.exit(EXIT_BAD_CONFIG)
-        if submits and not {"-m", "--multirun"} & set(sys.argv):
+        if not run.launcher.endswith("BasicLauncher") and not {"-m", "--multirun"} & set(sys.argv):
             # Hydra uses its launcher in multirun mode only: a run submitted to a cluster is
             # a sweep of one job.
             sys.argv.insert(1, "--multirun")
-        if not {"-m", "--multirun"} & set(sys.argv):
-            record = _hydra_record(overrides)
+        multirun = bool({"-m", "--multirun"} & set(sys.argv))
+        key, out_dir = ("hydra.sweep.dir", run.sweep_dir) if multirun else ("hydra.run.dir",
+                                                                            run.run_dir)
+        if why := output_dir_problem(out_dir):
+            print(f"config error: {key}={out_dir}: {why}; give a directory that can be made "
+                  "and written", file=sys.stderr)
+            sys.exit(EXIT_BAD_CONFIG)
+        if not multirun:
+            record, made = _hydra_record(overrides), missing_dirs(run.run_dir.parent)
     try:
         _hydra_main()
-        code = slurm_launcher.outcome["exit_code"]
+        code = callbacks.sweep_result["exit_code"]
     except SystemExit as e:  # a refused gate (exit 3) and the like
         code = e.code
     except BaseException:  # Ctrl-C and the like: the traceback, then the same way out
@@ -209,8 +267,9 @@ def main() -> None:
             raise
         traceback.print_exc()
         code = 1
-    if code == EXIT_BAD_CONFIG:
+    if code == EXIT_BAD_CONFIG:  # refused in the job: the disk as it was before
         _restore(record)
+        remove_if_empty(made)
     if _compile_in_flight():  # a gate-only run left XLA's code generation running
         gate = sys.modules["pdecomp.gate"]
         gate.end_process(0 if code is None else code if isinstance(code, int) else 1)

@@ -1,5 +1,6 @@
-"""Hydra callbacks: what a `-m` sweep ends with: one summary table, its JSON and CSV, and a
-plot of each job's gate report (per-device memory against the cap)."""
+"""Hydra callbacks: what a `-m` sweep ends with: one summary table (failed jobs with their
+exit code and reason), its JSON and CSV, a plot of each job's gate report (per-device memory
+against the cap), and the sweep's exit code."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from typing import Any
 import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
-from rich.console import Console
 from rich.table import Table
 
+from launcher import outcome
+from launcher.console import make_console
 from pdecomp.plots import plot_gate_sweep
 from pdecomp.units import GiB
 
@@ -25,6 +27,9 @@ RESULT_PREFIXES = ("live/", "mmcs/", "ml2r/", "one_to_one/", "kl/", "ce_unrecove
 GATE_SIZES = ("argument", "output", "temp", "alias", "host_temp", "host_argument", "peak",
               "xla_peak", "cap", "headroom")
 GATE_FIELDS = ("fits", "compile_s", "target", "n_devices", "batch_size")
+
+# What `pdecomp` exits with after a sweep (outcome.worst of its jobs); set at the sweep's end.
+sweep_result = {"exit_code": 0}
 
 
 def collect(sweep_dir: Path) -> list[dict[str, Any]]:
@@ -39,6 +44,8 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
             f = job_dir / name
             if f.exists():
                 row[name] = json.loads(f.read_text())
+        if ended := outcome.read(job_dir):
+            row["outcome"] = ended
         rows.append(row)
     return rows
 
@@ -82,6 +89,9 @@ def job_table(row: dict[str, Any]) -> Table:
     gate, summary = row.get("gate.json", {}), row.get("summary.json", {})
     table = Table(title=f"job {row['job']}", show_header=False)
     table.add_row("overrides", " ".join(row["overrides"]))
+    if ended := row.get("outcome"):
+        table.add_row("exit", str(ended["exit_code"]))
+        table.add_row("why", ended["reason"])
     if gate:
         table.add_row("peak GiB (per device)", f"{gate['peak_bytes'] / GiB:.4f}")
         table.add_row("fits", "yes" if gate.get("fits") else "NO")
@@ -95,8 +105,10 @@ def sweep_table(rows: list[dict[str, Any]]) -> Table:
     if len(rows) == 1:
         return job_table(rows[0])
     swept, keys = swept_keys(rows), result_keys(rows)
+    failures = any("outcome" in r for r in rows)
     table = Table(title="sweep summary")
-    for col in ("job", *swept, "peak GiB", "temp GiB", "arg GiB", "fits", *keys):
+    for col in ("job", *swept, *(("exit", "why") if failures else ()), "peak GiB", "temp GiB",
+                "arg GiB", "fits", *keys):
         table.add_column(col)
     for r in rows:
         values = override_values(r)
@@ -104,7 +116,9 @@ def sweep_table(rows: list[dict[str, Any]]) -> Table:
         summary = r.get("summary.json", {})
         sizes = [f"{gate[f'{k}_bytes'] / GiB:.4f}" if gate else "-"
                  for k in ("peak", "temp", "argument")]
-        cells = [str(r["job"]), *(values.get(k, "") for k in swept), *sizes,
+        ended = r.get("outcome", {"exit_code": 0, "reason": ""})
+        status = [str(ended["exit_code"]), ended["reason"]] if failures else []
+        cells = [str(r["job"]), *(values.get(k, "") for k in swept), *status, *sizes,
                  ("yes" if gate.get("fits") else "NO") if gate else "-"]
         for k in keys:
             v = summary.get(k)
@@ -116,7 +130,8 @@ def sweep_table(rows: list[dict[str, Any]]) -> Table:
 def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
     """One row per job: swept overrides, gate report (sizes in GiB), results; blank if absent."""
     swept, keys = swept_keys(rows), result_keys(rows)
-    fields = ["job", *swept, *(f"{k}_gib" for k in GATE_SIZES), *GATE_FIELDS, *keys]
+    fields = ["job", *swept, "exit_code", "reason", *(f"{k}_gib" for k in GATE_SIZES),
+              *GATE_FIELDS, *keys]
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, restval="")
         writer.writeheader()
@@ -126,6 +141,7 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
             writer.writerow({
                 "job": r["job"],
                 **{k: values[k] for k in swept if k in values},
+                **r.get("outcome", {"exit_code": 0}),
                 **{f"{k}_gib": round(gate[f"{k}_bytes"] / GiB, 4)
                    for k in GATE_SIZES if gate.get(f"{k}_bytes") is not None},
                 **{k: gate[k] for k in GATE_FIELDS if k in gate},
@@ -140,8 +156,10 @@ class SweepSummary(Callback):
         if not sweep_dir.exists():
             return
         rows = collect(sweep_dir)
+        sweep_result["exit_code"] = outcome.worst(
+            [r.get("outcome", {"exit_code": 0})["exit_code"] for r in rows])
         (sweep_dir / "sweep_summary.json").write_text(json.dumps(rows, indent=1))
-        console = Console()
+        console = make_console()
         console.print(sweep_table(rows))
         lines = [f"sweep csv: {write_csv(rows, sweep_dir / 'sweep_summary.csv')}"]
         gated = [r for r in rows if "gate.json" in r]
@@ -151,5 +169,9 @@ class SweepSummary(Callback):
                                   [r["gate.json"] for r in gated],
                                   sweep_dir / "sweep_memory.png")
             lines.append(f"memory plot: {png}")
+        failed = [r for r in rows if "outcome" in r]
+        if failed:
+            lines.append(f"{len(failed)} of {len(rows)} jobs failed; exit "
+                         f"{sweep_result['exit_code']}")
         for line in lines:  # plain text on one line each, however long the path
             console.print(line, soft_wrap=True, markup=False, highlight=False)

@@ -124,26 +124,55 @@ def local_device_ids() -> list[int] | None:
 
 @dataclass
 class StopSignals:
-    """What SLURM asked for: its warning signal before a time limit or preemption (submitit
-    asks for USR2) means checkpoint and requeue; SIGTERM (scancel, or a requeue someone
-    else started) means checkpoint and stop."""
+    """Signals that stop training at the next step boundary, with a checkpoint; installed
+    for the length of a `with` block, the handlers that were there before put back after.
 
+    In a SLURM job: the warning signal SLURM sends before a time limit or preemption
+    (submitit asks for USR2) means checkpoint and requeue; SIGTERM (scancel, or a requeue
+    someone else started) means checkpoint and stop. Anywhere else: SIGTERM and Ctrl-C
+    (SIGINT) mean checkpoint and stop, exiting 128 + the signal's number as a shell would
+    (143, 130); a second Ctrl-C stops at once, without waiting for the step to end.
+    """
+
+    in_slurm: bool = False
     received: list[str] = field(default_factory=list)
+    _before: dict[signal.Signals, object] = field(default_factory=dict)
 
     def install(self) -> None:
-        usr = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"))
-        for sig in (usr, signal.SIGTERM):
-            signal.signal(sig, self._on_signal)
-        self._usr = usr
+        """From now on (again: a no-op)."""
+        self._usr = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"))
+        for sig in (self._usr, signal.SIGTERM) if self.in_slurm else (signal.SIGTERM,
+                                                                        signal.SIGINT):
+            if sig not in self._before:
+                self._before[sig] = signal.signal(sig, self._on_signal)
+
+    def __enter__(self) -> StopSignals:
+        self.install()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._before.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._before.clear()
 
     def _on_signal(self, signum: int, frame: object) -> None:
-        self.received.append(signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        if name == "SIGINT":
+            if name in self.received:
+                raise KeyboardInterrupt
+            print("Ctrl-C: stopping at the next step boundary, with a checkpoint "
+                  "(Ctrl-C again stops at once, without one)", file=sys.stderr, flush=True)
+        self.received.append(name)
 
     def stop_requested(self) -> bool:
         return bool(self.received)
 
     def requeue_requested(self) -> bool:
-        return self._usr.name in self.received
+        return self.in_slurm and self._usr.name in self.received
+
+    def exit_code(self) -> int:
+        """What a shell reports for the first stop signal: 128 + its number."""
+        return 128 + signal.Signals[self.received[0]].value
 
 
 def requeue(max_requeues: int) -> str:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import sys
 import time
+import traceback
 import uuid
 from pathlib import Path
 from typing import Any
@@ -14,16 +16,16 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from launcher import cluster
+from launcher import cluster, outcome
+from launcher.console import make_console
 from launcher.registry import to_run_config
 from pdecomp.config import EXIT_BAD_CONFIG, EXIT_GATE_REFUSED, ConfigError, RunConfig
 from pdecomp.units import GiB, fmt_bytes
 
-console = Console(stderr=True)
+console = make_console(stderr=True)
 
 
 def gate_table(report: dict[str, Any], title: str = "memory gate (per device)") -> Table:
@@ -85,9 +87,8 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
     # In a SLURM job every task runs this; they become one JAX runtime before JAX starts.
     in_slurm = cluster.in_slurm_job()
     ranks = cluster.job_ranks()
-    signals: cluster.StopSignals | None = None
 
-    from pdecomp.run import GateRefused, Hooks, Interrupted, decompose, preflight
+    from pdecomp.run import GateRefused, Hooks, Interrupted, NonFiniteLoss, decompose, preflight
 
     # orbax (through absl) and jax log routine events at INFO; keep the console for results.
     for name in ("absl", "jax"):
@@ -99,19 +100,32 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
     run_dir = Path(hc.runtime.output_dir)
     multirun = hc.mode == RunMode.MULTIRUN
     rank0 = ranks.process_id == 0
+
+    def ended(code: int, reason: str) -> dict[str, Any]:
+        """A job that did not finish: a sweep's row says how (every job of an in-process
+        sweep runs whatever the others do); a single run exits with the code."""
+        if rank0 and (multirun or in_slurm):
+            outcome.write(run_dir, code, reason)
+        if multirun and not in_slurm:
+            return {"failed": True, "exit_code": code, "reason": reason}
+        sys.exit(code)
+
+    # A scheduler's signal (SLURM), or SIGTERM / Ctrl-C (anywhere else), stops training at
+    # the next step boundary with a checkpoint; the run resumes from it.
+    signals = None if cfg.gate.only and not in_slurm else cluster.StopSignals(in_slurm)
     if in_slurm:
+        assert signals is not None
+        signals.install()  # from the start: SLURM's signals would otherwise end the task
         cluster.init_distributed(ranks, cfg.mesh.init_timeout_s)
-        signals = cluster.StopSignals()
-        signals.install()
         cluster.say(ranks, f"job {os.environ['SLURM_JOB_ID']} on {os.uname().nodename}, "
                            f"node {ranks.node}/{ranks.num_nodes}")
     try:  # checks that need the job's devices, before anything is written
         preflight(cfg, run_dir)
     except ConfigError as e:
         print(e, file=sys.stderr)
-        if rank0:
+        if rank0 and not (multirun or in_slurm):
             _discard(run_dir)
-        sys.exit(EXIT_BAD_CONFIG)
+        return ended(EXIT_BAD_CONFIG, str(e))
 
     wb = WandbLogger(cfg, run_dir, resolved) if (cfg.logging.wandb and rank0) else None
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
@@ -151,7 +165,7 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
                   should_stop=signals.stop_requested if signals else None,
                   detach_gate=not (in_slurm or multirun))
     try:
-        with progress:
+        with progress, (signals or contextlib.nullcontext()):
             summary = decompose(cfg, run_dir, hooks)
     except GateRefused as e:
         if rank0:
@@ -160,14 +174,30 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
             wb.finish(exit_code=EXIT_GATE_REFUSED)
         if in_slurm:  # every rank exits 3; the launcher reports the job
             cluster.say(ranks, f"gate refused: exit {EXIT_GATE_REFUSED}")
-        elif multirun:  # in-process sweeps go on to their next run
-            return {"refused": True, "gate": e.report}
-        sys.exit(EXIT_GATE_REFUSED)
+        return {**ended(EXIT_GATE_REFUSED, str(e)), "refused": True, "gate": e.report}
     except Interrupted as e:
         assert signals is not None
+        code = cluster.EXIT_REQUEUED if signals.requeue_requested() else signals.exit_code()
         if wb:
-            wb.finish(exit_code=cluster.EXIT_REQUEUED)
-        _stop_for_scheduler(ranks, signals, e, hc.launcher.get("max_num_timeout", 0))
+            wb.finish(exit_code=code)
+        if in_slurm:
+            _stop_for_scheduler(ranks, signals, e, hc.launcher.get("max_num_timeout", 0))
+        console.print(f"{', '.join(dict.fromkeys(signals.received))}: {e}; resume with "
+                      f"`pdecomp hydra.run.dir={run_dir}` and the same overrides; exit {code}",
+                      markup=False, highlight=False)
+        sys.exit(code)
+    except NonFiniteLoss as e:  # a fault the run explains in full: one line, no traceback
+        if wb:
+            wb.finish(exit_code=1)
+        print(f"error: {e}", file=sys.stderr)
+        return ended(1, f"error: {e}")
+    except Exception as e:  # noqa: BLE001 - a job of an in-process sweep: the sweep goes on
+        if not (multirun and not in_slurm):
+            raise
+        traceback.print_exc()
+        if wb:
+            wb.finish(exit_code=1)
+        return ended(1, f"{type(e).__name__}: {e}")
     if wb:
         for k, v in summary.items():
             wb.summary(k, v)
@@ -192,8 +222,8 @@ def _stop_for_scheduler(ranks: cluster.Ranks, signals: cluster.StopSignals, e: E
             multihost_utils.sync_global_devices("pdecomp: requeued")
         cluster.say(ranks, f"exit {cluster.EXIT_REQUEUED}")
         sys.exit(cluster.EXIT_REQUEUED)
-    cluster.say(ranks, f"{why}: {e}; exit 143")
-    sys.exit(143)
+    cluster.say(ranks, f"{why}: {e}; exit {signals.exit_code()}")
+    sys.exit(signals.exit_code())
 
 
 def print_findings(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from functools import cache
+from pathlib import PurePath
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -67,8 +68,22 @@ def _twin_value(value: Any) -> Any:
 
 
 def register() -> None:
-    """Store the run schema as `run_schema`; config.yaml lists it first in its defaults."""
+    """Store the run schema as `run_schema` (config.yaml lists it first in its defaults) and
+    the resolvers the configs use."""
     ConfigStore.instance().store(name="run_schema", node=mutable_twin(RunConfig))
+    OmegaConf.register_new_resolver("pdecomp.model_name", model_name, replace=True)
+
+
+def model_name(path: str, preset: str) -> str:
+    """`${pdecomp.model_name:${.path},<preset>}`: a model loaded from a directory is named
+    after it (and so are its run directory and messages), else after its preset. In a
+    Hugging Face cache (`models--<org>--<name>/snapshots/<hash>`) the name is the model's."""
+    if not path:
+        return preset
+    p = PurePath(str(path))
+    if p.parent.name == "snapshots" and p.parent.parent.name.startswith("models--"):
+        return p.parent.parent.name.split("--")[-1]
+    return p.name or preset
 
 
 def to_run_config(cfg: DictConfig | dict[str, Any]) -> RunConfig:

@@ -43,6 +43,10 @@ class Interrupted(RuntimeError):
         super().__init__(f"stopped at step {step}; checkpoint in {checkpoint_dir}")
 
 
+class NonFiniteLoss(FloatingPointError):
+    """Training produced a NaN or an infinity; what was checkpointed before it is intact."""
+
+
 class GateRefused(RuntimeError):
     def __init__(self, report: dict[str, Any]):
         self.report = report
@@ -455,7 +459,7 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
                 ckpt.close()
                 kept = (f"the last checkpoint, step {saved[0]} in {ckpt.directory}, is intact"
                         if saved else "no checkpoint was written before it")
-                raise FloatingPointError(f"non-finite loss at step {done}: {last}; {kept}")
+                raise NonFiniteLoss(f"non-finite loss at step {done}: {last}; {kept}")
             now = time.perf_counter()
             n_steps = done - max(history[-1]["step"] if history else 0, start)
             last["perf/step_s"] = (now - t_log) / n_steps

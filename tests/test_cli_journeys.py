@@ -219,6 +219,7 @@ def test_a_non_finite_loss_says_whether_a_checkpoint_exists(full_run, env: dict[
     fresh = pdecomp([*args, f"hydra.run.dir={tmp_path / 'fresh'}"], tmp_path, env)
     assert fresh.returncode != 0
     assert "non-finite loss at step 10:" in fresh.stderr, fresh.stderr[-3000:]  # logged: 10, 20
+    assert "Traceback" not in fresh.stderr and fresh.returncode == 1
     assert "no checkpoint was written before it" in fresh.stderr
     assert "is intact" not in fresh.stderr
 

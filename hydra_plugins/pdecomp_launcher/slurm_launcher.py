@@ -5,7 +5,7 @@
   the same job directory;
 - a job that ends without a result (gate refused, crashed, cancelled) is reported in one line
   with its log file and its gate report, instead of a submitit traceback, and the sweep goes
-  on to its summary; `pdecomp` then exits with the job's code (3 for a refused gate).
+  on to its summary (launcher.outcome); `pdecomp` then exits with the sweep's worst code.
 
 Preemption and time limits are handled inside the job (launcher.job, launcher.cluster):
 every rank checkpoints at one agreed step and the job requeues itself.
@@ -31,14 +31,10 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, SlurmQue
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from launcher import cluster
+from launcher import cluster, outcome
 from pdecomp.config import EXIT_GATE_REFUSED
 
 log = logging.getLogger(__name__)
-
-# What `pdecomp` exits with after a SLURM sweep: 0, or the code of the first job that did
-# not finish (3 for a refused gate, 1 otherwise). Set by SlurmLauncher.launch.
-outcome = {"exit_code": 0}
 
 # Rank > 0: Hydra logs to stderr only (that rank's own SLURM log), never to the job's file.
 _CONSOLE_LOGGING = {
@@ -152,16 +148,21 @@ class SlurmLauncher(BaseSubmititLauncher):
         job_dir = sweep_dir / str(num)
         gate = job_dir / "gate.json"
         report = json.loads(gate.read_text()) if gate.exists() else None
-        if report is not None and not report.get("fits", True):
-            code, value = EXIT_GATE_REFUSED, {"refused": True, "gate": report}
+        ended = outcome.read(job_dir)  # what rank 0 said before it left, if it did
+        if ended is None:
+            refused = report is not None and not report.get("fits", True)
+            code, why = (EXIT_GATE_REFUSED, "gate refused") if refused else (1, error)
+            job_dir.mkdir(parents=True, exist_ok=True)
+            ended = outcome.write(job_dir, code, why)
+        code = ended["exit_code"]
+        if code == EXIT_GATE_REFUSED:
+            value = {"refused": True, "gate": report}
             log.error(f"job #{num} ({job.job_id}): gate refused, exit {code} on every rank; "
                       f"report: {gate}")
         else:
-            code, value = 1, {"failed": True, "error": error}
-            log.error(f"job #{num} ({job.job_id}) ended without a result: {error}; "
-                      f"log: {job.paths.stderr}")
-        if outcome["exit_code"] == 0:
-            outcome["exit_code"] = code
+            value = {"failed": True, "error": ended["reason"]}
+            log.error(f"job #{num} ({job.job_id}) ended without a result (exit {code}): "
+                      f"{ended['reason']}; log: {job.paths.stderr}")
         return JobReturn(overrides=overrides, cfg=DictConfig({}), hydra_cfg=self.config,
                          working_dir=str(job_dir), task_name=str(self.config.hydra.job.name),
                          status=JobStatus.COMPLETED, _return_value=value)
