@@ -84,6 +84,9 @@ def _discard(run_dir: Path) -> None:
 
 
 def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
+    # Before JAX starts its backend: the GPU allocator gets the memory the gate caps at.
+    from pdecomp.hardware import export_job_memory
+    export_job_memory(float(dict_cfg.memory.safety_fraction))
     # In a SLURM job every task runs this; they become one JAX runtime before JAX starts.
     in_slurm = cluster.in_slurm_job()
     ranks = cluster.job_ranks()

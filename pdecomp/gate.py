@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jaxlib
 
+from pdecomp import hardware
 from pdecomp.units import GiB, fmt_bytes
 
 
@@ -39,15 +40,23 @@ def abstract(tree: Any) -> Any:
     return jax.tree.map(leaf, tree)
 
 
-def device_cap_bytes(device: jax.Device, hbm_cap_gib: float, safety_fraction: float
-                     ) -> tuple[int, str]:
-    """The per-device cap: the user's `memory.hbm_cap_gib`, else the device's own limit
-    (host RAM on CPU) times the safety fraction, which leaves room for what the compiler's
-    figures miss (allocator fragmentation, collective buffers, the runtime itself)."""
+def device_cap_bytes(device: jax.Device, hbm_cap_gib: float, safety_fraction: float,
+                     usable: hardware.UsableMemory) -> tuple[int, str]:
+    """The per-device cap: the user's `memory.hbm_cap_gib`; on a GPU, the pool its allocator
+    was given (card x the usable fraction: the gate caps at what the job may use), or with
+    no pool the card's memory x that fraction; elsewhere the device's own limit (host RAM on
+    CPU) x the safety fraction, which leaves room for what the compiler's figures miss
+    (allocator fragmentation, collective buffers, the runtime itself)."""
     if hbm_cap_gib > 0:
         return int(hbm_cap_gib * GiB), "memory.hbm_cap_gib"
-    stats = device.memory_stats() or {}
-    limit = stats.get("bytes_limit")
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    if device.platform == "gpu":
+        card = hardware.card_bytes(device.device_kind)
+        if limit and usable.pooled:
+            return int(limit), "gpu allocator's pool (bytes_limit)"
+        if card or limit:
+            return (int((card or limit) * usable.fraction),
+                    f"{device.device_kind} {fmt_bytes(card or limit)} x {usable.fraction}")
     source = f"{device.platform} bytes_limit"
     if not limit:
         limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -108,6 +117,27 @@ def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, 
         "largest_temps": temps,
     }
     return compiled, report
+
+
+def uncompiled_report(*, argument_bytes: int, cap_bytes: int, cap_source: str, target: str,
+                      mesh: dict[str, int], parts: dict[str, int]) -> dict[str, Any]:
+    """The report of a step not compiled: its arguments counted from their shapes, a lower
+    bound of any compiled peak (peak = temp + argument + output − alias, and alias ≤
+    output). Temp and output are unknown, 0 here; `compiled` is False, and the table says
+    so. A cap that this bound exceeds is refused without the compile's cost."""
+    report = {
+        "target": target, "mesh": mesh, "n_devices": math.prod(mesh.values()),
+        "argument_bytes": argument_bytes, "output_bytes": 0, "temp_bytes": 0, "alias_bytes": 0,
+        "host_temp_bytes": 0, "host_argument_bytes": 0, "peak_bytes": argument_bytes,
+        "xla_peak_bytes": None, "cap_bytes": cap_bytes, "cap_source": cap_source,
+        "headroom_bytes": cap_bytes - argument_bytes, "fits": argument_bytes <= cap_bytes,
+        "compile_s": 0.0, "flops": None, "matmul_flops": None,
+        "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "argument_parts_bytes": parts, "largest_temps": [], "compiled": False,
+        "note": "not compiled: the peak is the arguments alone, a lower bound",
+    }
+    return report
 
 
 def program_flops(lowered: Any) -> float | None:
@@ -392,14 +422,22 @@ def format_report(report: dict[str, Any]) -> list[tuple[str, str]]:
             ("mesh", " x ".join(f"{k}={v}" for k, v in report["mesh"].items()))]
     if "batch_size" in report:
         rows.append(("batch", str(report["batch_size"])))
+    compiled = report.get("compiled", True)
     for k in ("argument", "output", "temp", "alias", "host_temp", "host_argument", "peak",
               "xla_peak"):
         v = report[f"{k}_bytes"]
-        rows.append((k + (" (temp+arg+out-alias)" if k == "peak" else ""),
-                     "n/a (read at buffer assignment)" if v is None else fmt_bytes(v)))
+        if not compiled and k not in ("argument", "peak"):
+            value = "n/a (not compiled)"
+        elif v is None:
+            value = "n/a (read at buffer assignment)"
+        else:
+            value = fmt_bytes(v) if compiled or k != "peak" else f"at least {fmt_bytes(v)}"
+        rows.append((k + (" (temp+arg+out-alias)" if k == "peak" else ""), value))
     for k, v in report.get("argument_parts_bytes", {}).items():
         rows.append((f"  argument: {k}", fmt_bytes(v)))
     rows += [("cap", f"{fmt_bytes(report['cap_bytes'])} ({report['cap_source']})"),
+             *([("allocator", report["memory_env"]["note"])]
+               if report.get("memory_env", {}).get("note") else []),
              ("headroom", fmt_bytes(report["headroom_bytes"])),
              ("fits", "yes" if report["fits"] else "NO"),
              ("compile", f"{report['compile_s']:.2f} s")]
@@ -423,42 +461,108 @@ def format_report(report: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def fit_batch(compile_at: Callable[[int], tuple[Any, dict[str, Any]]], start: int, step: int,
-              max_batch: int) -> tuple[int, Any, dict[str, Any]]:
+              max_batch: int, floor_at: Callable[[int], dict[str, Any]] | None = None
+              ) -> tuple[int, Any, dict[str, Any]]:
     """The largest multiple of `step` (≤ `max_batch`) whose step fits under the cap, found by
-    compiling candidates: doubling (or halving) from `start`, then bisecting the bracket to
-    within 1/16 of the batch (each candidate is a full compile; closer is rarely worth it).
+    compiling as few candidates as the peak's shape allows (each is a full compile).
 
-    Returns the chosen batch with its executable and report; the report's `fit` entry lists
-    every candidate tried and says why the choice. If not even `step` fits, the smallest
-    candidate's report comes back (it does not fit, so the gate refuses it).
+    The smallest batch, `step`, is compiled first: if it does not fit, no batch does, and
+    the refusal costs one compile. With `floor_at` (a report of a batch made without
+    compiling, whose `peak_bytes` is a lower bound of the compiled peak: the argument bytes
+    counted from the shapes) a cap that the arguments alone exceed costs none. Then
+    `start` (the configured batch) is tried, and after it the batch where the line through
+    two compiled points meets the cap: the peak is close to affine in the batch (state and
+    target fixed, activations per example). When the lines keep moving the same end of the
+    bracket without halving it (a curve bent away from them), one bisection follows, so a
+    curve far from a line still closes in. Every candidate is verified by its compile; the
+    search ends when
+    the largest batch that fits and the smallest that does not are within 1/16 of the batch
+    (closer is rarely worth a compile), or at `max_batch`.
+
+    Returns the chosen batch with its executable (None when nothing was compiled) and its
+    report, whose `fit` entry lists every batch compiled and says why the choice. A refusal
+    returns the smallest batch and its report, which does not fit.
     """
-    tried: dict[int, tuple[Any, dict[str, Any]]] = {}
+    smallest = f"the smallest batch, {step} (one example per device and microbatch),"
+    if floor_at is not None and not (floor := floor_at(step))["fits"]:
+        why = (f"the arguments alone of {smallest} take {fmt_bytes(floor['peak_bytes'])} "
+               f"> cap {fmt_bytes(floor['cap_bytes'])} per device; nothing compiled")
+        return step, None, _with_fit(floor, step, why, {})
+    tried: dict[int, tuple[Any, dict[str, Any]]] = {step: compile_at(step)}
+    if not tried[step][1]["fits"]:
+        first = tried[step][1]
+        why = (f"even {smallest} peaks at {fmt_bytes(first['peak_bytes'])} > cap "
+               f"{fmt_bytes(first['cap_bytes'])} per device")
+        return step, tried[step][0], _with_fit(first, step, why, tried)
+    top = max(step, max_batch // step * step)
+    lo, hi = step, None
+    candidate = min(top, start // step * step)
+    bisect, moved, streak = False, None, 0
+    while lo < top and (hi is None or hi - lo > _tolerance(lo, step)):
+        if not lo < candidate < (top + step if hi is None else hi):
+            candidate = (_bisection(lo, hi, step) if bisect
+                         else _secant(tried, lo, hi, step, top))
+        before = None if hi is None else hi - lo
+        tried[candidate] = compile_at(candidate)
+        fits = tried[candidate][1]["fits"]
+        lo, hi = (candidate, hi) if fits else (lo, candidate)
+        # A curve bent away from its lines moves the same end of the bracket again and
+        # again by little (the secant's stall): then bisect once.
+        streak = streak + 1 if before is not None and moved == fits else 0
+        moved = fits if before is not None else None
+        bisect = not bisect and streak >= STALL and (hi - lo) * 2 > before
+        candidate = 0
+    compiled, report = tried[lo]
+    why = (f"batch {lo} peaks at {fmt_bytes(report['peak_bytes'])} "
+           f"(cap {fmt_bytes(report['cap_bytes'])}); "
+           + (f"batch {hi} needs {fmt_bytes(tried[hi][1]['peak_bytes'])}" if hi is not None
+              else f"the search stops at gate.fit_max_batch={max_batch}"))
+    return lo, compiled, _with_fit(report, lo, why, tried)
 
-    def fits(b: int) -> bool:
-        if b not in tried:
-            tried[b] = compile_at(b)
-        return tried[b][1]["fits"]
 
-    b = max(step, start // step * step)
-    lo, hi = (b, None) if fits(b) else (None, b)
-    while lo is not None and hi is None and lo * 2 <= max_batch:
-        lo, hi = (lo * 2, None) if fits(lo * 2) else (lo, lo * 2)
-    while lo is None and hi > step:
-        b = max(step, hi // 2 // step * step)
-        lo, hi = (b, hi) if fits(b) else (None, b)
-    if lo is None:
-        chosen, why = hi, f"even batch {hi} (one per device) exceeds the cap"
-    else:
-        while hi is not None and hi - lo > max(step, lo // 16):
-            mid = (lo + hi) // 2 // step * step
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        chosen = lo
-        cap = fmt_bytes(tried[lo][1]["cap_bytes"])
-        why = (f"batch {lo} peaks at {fmt_bytes(tried[lo][1]['peak_bytes'])} (cap {cap}); "
-               + (f"batch {hi} needs {fmt_bytes(tried[hi][1]['peak_bytes'])}"
-                  if hi is not None else f"the search stops at gate.fit_max_batch={max_batch}"))
-    compiled, report = tried[chosen]
+# How many times in a row a bracketed step may move the same end again (after the first)
+# before a bisection is taken: 2 took the fewest compiles on the test curves (affine,
+# superlinear, concave, stepped, sawtooth; tests/test_fit_batch.py).
+STALL = 2
+
+
+def _tolerance(lo: int, step: int) -> int:
+    """How close the bracket must close: 1/16 of the batch, in whole steps."""
+    return max(step, lo // 16 // step * step)
+
+
+def _bisection(lo: int, hi: int, step: int) -> int:
+    return (lo + hi) // 2 // step * step
+
+
+def _secant(tried: dict[int, tuple[Any, dict[str, Any]]], lo: int, hi: int | None, step: int,
+            top: int) -> int:
+    """The next batch to compile: where a line through two compiled peaks meets the cap,
+    rounded down to a multiple of `step`, at least a tolerance above `lo` (a candidate that
+    then fails closes the bracket) and inside the bracket. The line runs through `lo` and
+    the compiled batch nearest it (the most local slope: the curve bends a little), or,
+    where that line leaves the bracket, through the bracket's ends; with `lo` alone, through
+    zero (with the state's bytes in the peak, that falls short of the answer)."""
+    peak = {b: r["peak_bytes"] for b, (_, r) in tried.items()}
+    cap = tried[lo][1]["cap_bytes"]
+
+    def meets(other: int) -> float | None:
+        slope = (peak[lo] - peak.get(other, 0)) / (lo - other)
+        return lo + (cap - peak[lo]) / slope if slope > 0 else None
+
+    near = min((b for b in peak if b != lo), key=lambda b: abs(b - lo), default=0)
+    aim = meets(near)
+    if hi is not None and (aim is None or not lo < aim < hi):
+        aim = meets(hi)
+    if aim is None:  # not a line the batch can be read from: double, or bisect the bracket
+        aim = 2 * lo if hi is None else (lo + hi) // 2
+    ceiling = top if hi is None else hi - step
+    return min(ceiling, max(lo + _tolerance(lo, step), int(aim) // step * step))
+
+
+def _with_fit(report: dict[str, Any], chosen: int, why: str,
+              tried: dict[int, tuple[Any, dict[str, Any]]]) -> dict[str, Any]:
     report["fit"] = {"mode": "batch", "chosen": chosen, "why": why,
                      "tried": [{"batch_size": k, "peak_bytes": r["peak_bytes"], "fits": r["fits"]}
                                for k, (_, r) in sorted(tried.items())]}
-    return chosen, compiled, report
+    return report

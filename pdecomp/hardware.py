@@ -22,12 +22,16 @@ import importlib
 import importlib.util
 import os
 import sys
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jax
 from jax.experimental import topologies
 from jax.sharding import Mesh
+
+from pdecomp.config import ConfigError
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc mallopt params
 
@@ -85,6 +89,113 @@ GPUS: dict[str, GpuSpec] = {
                     memory_bandwidth=7_672_320_000_000, l2_bytes=132_644_864, clock_ghz=1.965,
                     mem_clock_khz=3_996_000, pcie_bandwidth=68_719_476_736),
 }
+
+
+def card_bytes(device_kind: str) -> int | None:
+    """The memory of a card in the table, by the device kind CUDA reports (None: unknown)."""
+    return next((g.memory_bytes for g in GPUS.values() if g.name == device_kind), None)
+
+
+# -- The device memory a job may use: one setting for the gate's cap and the job's allocator
+
+# jax's GPU client sizes its memory pool from these when its backend starts (jaxlib's
+# xla_client.generate_pjrt_gpu_plugin_options, jax 0.10 and 0.11): the fraction of the card
+# under either name (the second is the older one; both set is an error there), 0.75 when
+# unset; whether the pool is taken at start; and which allocator.
+MEM_FRACTION_VARS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+PREALLOCATE, ALLOCATOR = "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_ALLOCATOR"
+MEMORY_VARS = (*MEM_FRACTION_VARS, PREALLOCATE, ALLOCATOR)
+SAFETY_FRACTION = "memory.safety_fraction"
+# What this process exported itself: a later job of the same process (an in-process sweep)
+# must not take it for a setting of the user's.
+_exported: dict[str, str] = {}
+
+
+@dataclass(frozen=True)
+class UsableMemory:
+    """The fraction of a GPU's memory a job may use: the size of its allocator's pool, and
+    what the gate caps at (card memory x fraction), so a yes of the gate fits the job."""
+
+    fraction: float
+    source: str  # SAFETY_FRACTION, or the variable of the user's it was read from
+    export: dict[str, str]  # what a job sets before JAX starts ({}: the user's setting holds)
+    note: str  # what the user's allocator settings make of the cap; "" for jax's defaults
+    pooled: bool  # the allocator keeps to a pool of that size (not the platform allocator)
+
+    def describe(self) -> str:
+        if self.export:
+            var, value = next(iter(self.export.items()))
+            return f"{SAFETY_FRACTION}, which the job exports as {var}={value}"
+        return f"from {self.source}, which the job keeps"
+
+    def record(self, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """gate.json's `memory_env`: the fraction, where it came from, what the job exports,
+        and the allocator variables as this process has them."""
+        environ = os.environ if environ is None else environ
+        return {"fraction": self.fraction, "source": self.source, "job_exports": self.export,
+                "env": {v: environ.get(v) for v in MEMORY_VARS}, "note": self.note}
+
+
+def _users(environ: Mapping[str, str]) -> dict[str, str]:
+    """The allocator variables the user set: those this process exported are left out."""
+    return {v: environ[v] for v in MEMORY_VARS
+            if environ.get(v) and _exported.get(v) != environ[v]}
+
+
+def usable_memory(safety_fraction: float, environ: Mapping[str, str] | None = None
+                  ) -> UsableMemory:
+    """The usable fraction: `memory.safety_fraction`, which jobs export as the allocator's
+    fraction, unless the user set one of MEM_FRACTION_VARS: then that value, which the job
+    keeps. Raises ConfigError on a value jax would refuse or could not honour."""
+    users = _users(os.environ if environ is None else environ)
+    given = [v for v in MEM_FRACTION_VARS if v in users]
+    if len(given) == 2:
+        raise ConfigError(given[1], users[given[1]], f"jax refuses it together with "
+                          f"{given[0]}={users[given[0]]!r}; unset one of them")
+    if given:
+        fraction, source, export = _fraction(given[0], users[given[0]]), given[0], {}
+    else:
+        fraction, source, export = safety_fraction, SAFETY_FRACTION, _export(safety_fraction)
+    allocator = users.get(ALLOCATOR, "default").lower()
+    note = ""
+    if allocator == "platform":
+        note = (f"{ALLOCATOR}=platform: no pool, memory is allocated as needed and the "
+                f"fraction is not enforced; the cap is the gate's alone")
+    elif users.get(PREALLOCATE, "").strip() in ("false", "False", "0"):
+        note = (f"{PREALLOCATE}={users[PREALLOCATE]}: the pool grows to the fraction as "
+                f"needed instead of being taken at start; fragmentation, which the gate "
+                f"does not count, is more likely")
+    return UsableMemory(fraction, source, export, note, pooled=allocator != "platform")
+
+
+def _export(safety_fraction: float) -> dict[str, str]:
+    return {MEM_FRACTION_VARS[0]: str(safety_fraction)}
+
+
+def _fraction(var: str, value: str) -> float:
+    try:
+        fraction = float(value)
+    except ValueError:
+        fraction = float("nan")
+    if not 0.0 < fraction <= 1.0:
+        raise ConfigError(var, value, "the fraction of GPU memory a job may use must be a "
+                          "number in (0, 1]")
+    return fraction
+
+
+def export_job_memory(safety_fraction: float,
+                      environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """In a job process, before JAX starts its backend: set the allocator's fraction to the
+    one the gate caps at (`usable_memory`). A setting of the user's stays; one jax would
+    refuse is left for the job's checks (`pdecomp.run.preflight`) to report. Returns what
+    was set."""
+    environ = os.environ if environ is None else environ
+    if any(v in _users(environ) for v in MEM_FRACTION_VARS):
+        return {}
+    export = _export(safety_fraction)
+    environ.update(export)
+    _exported.update(export)
+    return export
 
 
 def target_config(spec: GpuSpec) -> str:

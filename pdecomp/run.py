@@ -50,8 +50,14 @@ class NonFiniteLoss(FloatingPointError):
 class GateRefused(RuntimeError):
     def __init__(self, report: dict[str, Any]):
         self.report = report
-        super().__init__(f"gate refused: predicted peak {fmt_bytes(report['peak_bytes'])} "
-                         f"> cap {fmt_bytes(report['cap_bytes'])} per device")
+        why = (f"no batch fits (gate.fit=batch): {report['fit']['why']}" if "fit" in report
+               else f"predicted peak {fmt_bytes(report['peak_bytes'])} > cap "
+                    f"{fmt_bytes(report['cap_bytes'])} per device")
+        super().__init__(f"gate refused: {why}")
+
+
+# The argument part of the optimizer moments, and its name when they live in host memory.
+OPT_PART, OPT_PART_HOST = "optimizer moments", "optimizer moments (host)"
 
 
 @dataclass
@@ -127,15 +133,29 @@ def calibrate(report: dict[str, Any], mesh: Mesh) -> bool:
     return True
 
 
-def gate_cap(cfg: RunConfig, mesh: Mesh) -> tuple[int, str]:
-    """The per-device cap: `memory.hbm_cap_gib`, else the device's memory x safety fraction
-    (for a deviceless target, the card's memory from the hardware table)."""
-    if cfg.memory.hbm_cap_gib <= 0 and sharding.is_deviceless(cfg):
+def gate_cap(cfg: RunConfig, mesh: Mesh) -> tuple[int, str, dict[str, Any] | None]:
+    """The per-device cap and where it came from (`gate.device_cap_bytes`; for a deviceless
+    target, the card's memory from the hardware table x the usable fraction, the pool a job
+    on it will have), and for a GPU the usable-memory record for gate.json (None elsewhere:
+    the allocator settings are a GPU's)."""
+    mem = cfg.memory
+    usable = hardware.usable_memory(mem.safety_fraction)
+    deviceless = sharding.is_deviceless(cfg)
+    gpu = deviceless or mesh.devices.flat[0].platform == "gpu"
+    if mem.hbm_cap_gib <= 0 and deviceless:
         spec = hardware.GPUS[cfg.gate.target]
-        return (int(spec.memory_bytes * cfg.memory.safety_fraction),
-                f"{cfg.gate.target} {spec.memory_gib:.1f} GiB x {cfg.memory.safety_fraction}")
-    return gate_lib.device_cap_bytes(mesh.local_devices[0], cfg.memory.hbm_cap_gib,
-                                     cfg.memory.safety_fraction)
+        cap = int(spec.memory_bytes * usable.fraction)
+        source = f"{cfg.gate.target} {spec.memory_gib:.1f} GiB x {usable.fraction}"
+    else:
+        cap, source = gate_lib.device_cap_bytes(mesh.local_devices[0], mem.hbm_cap_gib,
+                                                mem.safety_fraction, usable)
+    if not gpu:
+        return cap, source, None
+    if mem.hbm_cap_gib > 0 and deviceless:
+        pool = int(hardware.GPUS[cfg.gate.target].memory_bytes * usable.fraction)
+        if cap > pool:  # the gate's yes would not be the job's
+            source += f" (above the {fmt_bytes(pool)} the job's allocator may use)"
+    return cap, f"{source}; {usable.describe()}", usable.record()
 
 
 def target_name(cfg: RunConfig, mesh: Mesh) -> str:
@@ -149,6 +169,8 @@ def preflight(cfg: RunConfig, run_dir: str | Path | None = None) -> None:
     """The checks that need this job's devices or files; raises ConfigError before anything
     is made. With `run_dir`: a checkpoint there, which the run would resume, must fit the
     state this config builds."""
+    # The allocator settings of the environment, before jax's GPU client would refuse them.
+    hardware.usable_memory(cfg.memory.safety_fraction)
     validate(cfg, n_devices=None if sharding.is_deviceless(cfg) else len(jax.devices()))
     sharding.check_target(cfg)
     if not sharding.is_deviceless(cfg):
@@ -363,23 +385,36 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
     batch_sharding = NamedSharding(mesh, P(sharding.AXIS))
 
     # The gate: compile the very step training runs, read its memory, compare to the cap.
-    cap, cap_source = gate_cap(cfg, mesh)
+    cap, cap_source, memory_env = gate_cap(cfg, mesh)
     step_fn = make_train_step(cfg, layout)
     # Host-memory (offload) buffers are not told apart in XLA's dump: offload compiles whole.
     detach = (hooks.detach_gate and cfg.gate.only and cfg.gate.fit == "none"
               and sharding.is_deviceless(cfg) and cfg.memory.remat != "offload")
 
+    def parts_at(batch_size: int) -> dict[str, int]:
+        """The step's argument bytes per device by part, counted from shapes and shardings."""
+        return {"frozen target": gate_lib.tree_bytes(target_abs),
+                "components": gate_lib.tree_bytes(state_abs.components),
+                "ci function": gate_lib.tree_bytes(state_abs.ci_fn),
+                OPT_PART_HOST if cfg.memory.offload_opt_state else OPT_PART:
+                    gate_lib.tree_bytes((state_abs.comp_opt, state_abs.ci_opt)),
+                "adversary": gate_lib.tree_bytes(state_abs.adversary),
+                "step and key": gate_lib.tree_bytes((state_abs.step, state_abs.key)),
+                "batch": gate_lib.tree_bytes(batch_abstract(cfg, batch_size, batch_sharding))}
+
+    def floor_at(batch_size: int) -> dict[str, Any]:
+        parts = parts_at(batch_size)
+        # moments offloaded to the host are not device bytes on a GPU: left out of the bound
+        device_bytes = sum(v for k, v in parts.items() if k != OPT_PART_HOST)
+        report = gate_lib.uncompiled_report(
+            argument_bytes=device_bytes, cap_bytes=cap, cap_source=cap_source,
+            target=target_name(cfg, mesh), mesh=dict(mesh.shape), parts=parts)
+        return {**report, "batch_size": batch_size,
+                **({"memory_env": memory_env} if memory_env else {})}
+
     def compile_at(batch_size: int):
         batch_abs = batch_abstract(cfg, batch_size, batch_sharding)
-        parts = {"frozen target": gate_lib.tree_bytes(target_abs),
-                 "components": gate_lib.tree_bytes(state_abs.components),
-                 "ci function": gate_lib.tree_bytes(state_abs.ci_fn),
-                 ("optimizer moments (host)" if cfg.memory.offload_opt_state else
-                  "optimizer moments"): gate_lib.tree_bytes((state_abs.comp_opt,
-                                                             state_abs.ci_opt)),
-                 "adversary": gate_lib.tree_bytes(state_abs.adversary),
-                 "step and key": gate_lib.tree_bytes((state_abs.step, state_abs.key)),
-                 "batch": gate_lib.tree_bytes(batch_abs)}
+        parts = parts_at(batch_size)
         compiled, report = gate_lib.compile_and_report(
             step_fn, (state_abs, target_abs, batch_abs),
             donate_argnums=(0,) if cfg.memory.donate else (),
@@ -388,6 +423,8 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
             mesh=dict(mesh.shape), parts=parts, top_temps=cfg.gate.top_temps,
             detach=detach)
         report["batch_size"] = batch_size
+        if memory_env:
+            report["memory_env"] = memory_env
         if cfg.memory.offload_opt_state and sharding.is_deviceless(cfg):
             # Compile-only devices have no host memory space: jax drops the memory kind.
             report["note"] = ("memory.offload_opt_state: a deviceless compile has no host "
@@ -398,9 +435,10 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
     if cfg.gate.fit == "batch":
         batch_size, compiled, report = gate_lib.fit_batch(
             compile_at, cfg.data.batch_size, mesh.size * cfg.optim.microbatches,
-            cfg.gate.fit_max_batch)
+            cfg.gate.fit_max_batch, floor_at)
         cfg = dc.replace(cfg, data=dc.replace(cfg.data, batch_size=batch_size))
-        hooks.log(f"gate.fit=batch: data.batch_size={batch_size}: {report['fit']['why']}")
+        if report["fits"]:  # a refusal says why in its own line
+            hooks.log(f"gate.fit=batch: data.batch_size={batch_size}: {report['fit']['why']}")
     else:
         compiled, report = compile_at(cfg.data.batch_size)
     write_json(run_dir / "gate.json", report)

@@ -212,6 +212,21 @@ def test_fit_batch_finds_the_largest_batch_under_the_cap(tmp_path):
     assert str(chosen) in fit["why"]
 
 
+def test_fit_batch_refuses_a_cap_between_the_arguments_and_the_peak_in_one_compile(tmp_path):
+    # a cap just above the arguments of one example, below what its step needs
+    cfg = _cfg(tmp_path)
+    one = decompose(dc.replace(cfg, data=dc.replace(cfg.data, batch_size=1),
+                               gate=dc.replace(cfg.gate, only=True, top_temps=0)),
+                    tmp_path / "one")["gate"]
+    cap = (one["argument_bytes"] + one["peak_bytes"]) / 2
+    fit_cfg = dc.replace(cfg, memory=dc.replace(cfg.memory, hbm_cap_gib=cap / 2**30),
+                         gate=dc.replace(cfg.gate, only=True, fit="batch", top_temps=0))
+    with pytest.raises(GateRefused, match="even the smallest batch, 1") as e:
+        decompose(fit_cfg, tmp_path / "fit")
+    assert [t["batch_size"] for t in e.value.report["fit"]["tried"]] == [1]
+    assert e.value.report["peak_bytes"] == one["peak_bytes"]
+
+
 def test_matmul_flops_count_loops_rematerialization_and_branches():
     """Every dot_general of a step, a scan's body times its length, the backward's
     recomputation of a checkpointed body included, a cond's costliest branch."""

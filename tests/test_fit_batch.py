@@ -1,0 +1,161 @@
+"""gate.fit=batch: the search for the largest batch under the cap, counted in compiles."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import load_json, pdecomp
+
+from pdecomp.gate import fit_batch, format_report
+
+MiB = 2**20
+
+
+class Compiler:
+    """A fake `compile_at`: the peak a function of the batch, each call counted."""
+
+    def __init__(self, peak: Callable[[int], float], cap: float):
+        self.peak, self.cap, self.calls = peak, cap, []
+
+    def __call__(self, batch: int):
+        self.calls.append(batch)
+        p = int(self.peak(batch))
+        return f"exe{batch}", {"peak_bytes": p, "cap_bytes": int(self.cap), "fits": p <= self.cap}
+
+    def largest(self, step: int, top: int) -> int | None:
+        """The true answer, by brute force (a monotone peak)."""
+        fitting = [b for b in range(step, top + 1, step) if self.peak(b) <= self.cap]
+        return max(fitting) if fitting else None
+
+
+def affine(state: float, per_example: float) -> Callable[[int], float]:
+    return lambda b: state + per_example * b
+
+
+def check_answer(compiler: Compiler, chosen: int, report: dict, step: int, top: int) -> None:
+    """The chosen batch fits, is a multiple of step, and the true largest is within 1/16."""
+    truth = compiler.largest(step, top)
+    assert chosen % step == 0 and chosen <= top and report["fits"]
+    assert chosen <= truth and truth - chosen <= max(step, chosen // 16), (chosen, truth)
+    fit = report["fit"]
+    assert fit["chosen"] == chosen and fit["mode"] == "batch"
+    assert [t["batch_size"] for t in fit["tried"]] == sorted(set(compiler.calls))
+    assert len(compiler.calls) == len(set(compiler.calls))  # no batch compiled twice
+
+
+@pytest.mark.parametrize("cap", [0.001 * 2**30, 10 * MiB + 1])
+def test_an_impossible_cap_costs_one_compile(cap):
+    # the state alone is 10 MiB: both caps are below the smallest batch's peak
+    compiler = Compiler(affine(10 * MiB, 4096), cap)
+    chosen, exe, report = fit_batch(compiler, 4096, 8, 1 << 20)
+    assert compiler.calls == [8]
+    assert chosen == 8 and exe == "exe8" and not report["fits"]
+    assert report["fit"]["tried"] == [{"batch_size": 8, "peak_bytes": 10 * MiB + 8 * 4096,
+                                       "fits": False}]
+    assert "smallest batch, 8" in report["fit"]["why"]
+
+
+def test_a_cap_below_the_arguments_costs_no_compile():
+    compiler = Compiler(affine(10 * MiB, 4096), 5 * MiB)
+
+    def floor_at(batch):
+        return {"peak_bytes": 10 * MiB, "cap_bytes": 5 * MiB, "fits": False, "compiled": False,
+                "batch_size": batch}
+
+    chosen, exe, report = fit_batch(compiler, 4096, 8, 1 << 20, floor_at)
+    assert compiler.calls == [] and exe is None
+    assert chosen == 8 and not report["fits"] and report["fit"]["tried"] == []
+    assert "nothing compiled" in report["fit"]["why"]
+
+
+def test_a_floor_under_the_cap_changes_nothing():
+    compiler = Compiler(affine(MiB, 1000), 100 * MiB)
+    floor = {"peak_bytes": MiB, "cap_bytes": 100 * MiB, "fits": True}
+    assert fit_batch(compiler, 64, 1, 1 << 20, lambda b: floor)[0] == \
+        fit_batch(Compiler(affine(MiB, 1000), 100 * MiB), 64, 1, 1 << 20)[0]
+
+
+@pytest.mark.parametrize("start", [1, 256, 4096, 65536, 1 << 20])
+@pytest.mark.parametrize("step", [1, 8])
+def test_an_affine_peak_is_found_in_few_compiles(start, step):
+    # 1 + 2 + 1: the smallest batch, the configured one (when larger), the line's answer,
+    # the batch a tolerance above it that does not fit
+    compiler = Compiler(affine(3 * MiB, 1234.5), 40 * MiB)
+    chosen, exe, report = fit_batch(compiler, start, step, 1 << 20)
+    check_answer(compiler, chosen, report, step, 1 << 20)
+    assert exe == f"exe{chosen}"
+    assert len(compiler.calls) <= 4, compiler.calls
+
+
+@pytest.mark.parametrize("peak", [
+    lambda b: 2 * MiB + 40 * b ** 1.5,  # superlinear: the line overshoots from below
+    lambda b: 2 * MiB + 3e4 * math.sqrt(b),  # concave: the line undershoots
+    lambda b: 2 * MiB + 900 * b + (4 * MiB if b > 20_000 else 0),  # a step (XLA's remat)
+    lambda b: 2 * MiB + 900 * b * (1 + (b // 4096) % 2 * 0.05),  # piecewise, with jumps
+], ids=["superlinear", "concave", "step", "sawtooth"])
+@pytest.mark.parametrize("start", [16, 4096, 100_000])
+def test_a_curved_peak_still_finds_the_largest_batch(peak, start):
+    compiler = Compiler(peak, 30 * MiB)
+    chosen, _, report = fit_batch(compiler, start, 16, 1 << 20)
+    if compiler.largest(16, 1 << 20) is not None and all(
+            peak(b) <= peak(b + 16) for b in range(16, 40_000, 16)):  # monotone: exact
+        check_answer(compiler, chosen, report, 16, 1 << 20)
+    assert report["fits"] and chosen % 16 == 0
+    assert not any(t["fits"] for t in report["fit"]["tried"] if t["batch_size"] > chosen)
+    # never worse than about twice the bisection's count
+    assert len(compiler.calls) <= 2 * (math.ceil(math.log2(1 << 20)) + 4), compiler.calls
+
+
+def test_the_search_stops_at_the_max_batch():
+    compiler = Compiler(affine(MiB, 100), 1 << 40)  # everything fits
+    chosen, _, report = fit_batch(compiler, 256, 8, 5003)
+    assert chosen == 5000 and report["fits"]  # the largest multiple of 8 up to 5003
+    assert "gate.fit_max_batch=5003" in report["fit"]["why"]
+    assert len(compiler.calls) <= 3, compiler.calls
+    # a max batch below the smallest: the smallest alone is compiled
+    compiler = Compiler(affine(MiB, 100), 1 << 40)
+    assert fit_batch(compiler, 256, 8, 4)[0] == 8 and compiler.calls == [8]
+
+
+def test_the_smallest_batch_alone_fits():
+    compiler = Compiler(affine(MiB, MiB), 2.5 * MiB)  # batch 1: 2 MiB, batch 2: 3 MiB
+    chosen, _, report = fit_batch(compiler, 64, 1, 1 << 20)
+    assert chosen == 1 and report["fits"] and len(compiler.calls) <= 3, compiler.calls
+    assert "batch 2 needs" in report["fit"]["why"]
+
+
+def test_the_report_table_says_how_many_batches_were_compiled():
+    compiler = Compiler(affine(10 * MiB, 4096), MiB)
+    _, _, report = fit_batch(compiler, 4096, 8, 1 << 20)
+    row = dict(_fit_rows(report))
+    assert row["fit"].startswith("1 batches compiled: even the smallest batch, 8")
+
+
+def _fit_rows(report: dict) -> list[tuple[str, str]]:
+    return [r for r in format_report({**_REPORT, **report}) if r[0] == "fit"]
+
+
+_REPORT = {"target": "t", "mesh": {"data": 1}, **{f"{k}_bytes": 0 for k in (
+    "argument", "output", "temp", "alias", "host_temp", "host_argument", "xla_peak",
+    "headroom")}, "cap_source": "memory.hbm_cap_gib", "compile_s": 1.0}
+
+
+def test_cli_impossible_cap_refuses_without_a_search(tmp_path: Path, env: dict[str, str]) -> None:
+    """TMS with a cap below its arguments: exit 3 and one line, with nothing compiled."""
+    run_dir = tmp_path / "fit"
+    proc = pdecomp(["gate.fit=batch", "memory.hbm_cap_gib=0.000001", "logging.wandb=false",
+                    f"hydra.run.dir={run_dir}"], tmp_path, env)
+    assert proc.returncode == 3, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr
+    # the console wraps long lines: the refusal is what follows its one "gate refused"
+    assert proc.stderr.count("gate refused") == 1, proc.stderr[-3000:]
+    refusal = " ".join(proc.stderr.split("gate refused")[1].split())
+    assert refusal.startswith(": no batch fits (gate.fit=batch)"), refusal
+    assert "nothing compiled" in refusal, refusal
+    gate = load_json(run_dir / "gate.json")
+    assert gate["fits"] is False and gate["compiled"] is False
+    assert gate["fit"]["tried"] == [] and gate["batch_size"] == 1
+    assert "0 batches compiled" in proc.stderr
