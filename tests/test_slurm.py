@@ -291,6 +291,18 @@ def test_refused_gate_exits_3_on_every_rank(cluster, tmp_path: Path) -> None:
     assert not (sweep / "0" / "checkpoints").exists()
 
 
+def test_a_config_refused_in_the_job_is_the_sweeps_row_and_exit_2(cluster, tmp_path: Path
+                                                                   ) -> None:
+    """Only the job knows its devices: a mesh larger than them is refused there, on every
+    rank, and the launcher reports the job's code and line (not "ended without a result")."""
+    proc, sweep, _ = submit([*TWO_TASKS, *RUN, "mesh=fsdp8"], tmp_path, cluster)
+    assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-2000:])
+    ended = load_json(sweep / "0" / "outcome.json")
+    assert ended["exit_code"] == 2 and ended["reason"].startswith(
+        "config error: mesh.gpus_per_host=8"), ended
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
 # -- helpers for the interrupted run ------------------------------------------------------
 
 def wait_for(read, done, seconds: float, runner: subprocess.Popen) -> Any:
