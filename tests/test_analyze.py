@@ -200,3 +200,20 @@ def test_the_report_renders_in_a_browser(chromium: str, lm_report: Path, cache,
     shot = tmp_path / "shot.png"
     browse(chromium, index.as_uri(), tmp_path, f"--screenshot={shot}", "--window-size=1200,900")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+
+
+def test_contexts_are_decoded_with_the_model_directorys_tokenizer(tmp_path: Path) -> None:
+    """A model directory's tokenizer.json turns ids into the model's own text; without one
+    (or without the tokenizers package, which the test extra installs) ids stay ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["the", "cat", "sat", "[UNK]"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    ids = tok.encode("the cat sat").ids
+    decoded = analyze.Tokens(str(tmp_path))
+    assert [decoded.decode(i) for i in ids] == ["the", "cat", "sat"]
+    assert decoded.source == f"decoded with {tmp_path / 'tokenizer.json'}"
+    plain = analyze.Tokens(str(tmp_path / "elsewhere"))
+    assert plain.decode(2) == "2" and plain.source == "token ids" and plain.sep == " "

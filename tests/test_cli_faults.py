@@ -189,3 +189,17 @@ def test_model_path_names_the_run_after_the_model(env: dict[str, str], tmp_path:
                        "gate.only=true"], tmp_path, env))
     assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["gqa_llama3"]
     assert "llama_tiny" not in proc.stderr + proc.stdout
+
+
+def test_ctrl_c_outside_training_exits_130_with_one_line(env: dict[str, str],
+                                                         tmp_path: Path) -> None:
+    """A gate-only run has no step to stop at: Ctrl-C ends it at once, without a trace."""
+    proc = subprocess.Popen([PDECOMP, "gate.only=true", "gate.target=b200", "mesh=fsdp64"],
+                            cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    time.sleep(4)  # composed, in the job, tracing or compiling
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (proc.returncode, err[-3000:])
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == \
+        "interrupted (Ctrl-C): exit 130", err[-3000:]
