@@ -21,6 +21,7 @@ from rich.table import Table
 from launcher import cluster
 from launcher.registry import to_run_config
 from pdecomp.config import EXIT_BAD_CONFIG, EXIT_GATE_REFUSED, ConfigError, RunConfig
+from pdecomp.storage import EXIT_WRITE_FAILED, WriteFailed
 from pdecomp.units import GiB, fmt_bytes
 
 console = Console(stderr=True)
@@ -163,6 +164,8 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
         elif multirun:  # in-process sweeps go on to their next run
             return {"refused": True, "gate": e.report}
         sys.exit(EXIT_GATE_REFUSED)
+    except WriteFailed as e:  # a full disk: the last complete checkpoint is intact
+        cluster.leave(ranks, f"{e}; resume with hydra.run.dir={run_dir}", EXIT_WRITE_FAILED)
     except Interrupted as e:
         assert signals is not None
         if wb:
