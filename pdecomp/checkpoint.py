@@ -55,8 +55,9 @@ class Checkpointer:
             item_handlers=ocp.StandardCheckpointHandler())  # so item_metadata can read steps
         self._saving: int | None = None  # the step of the save in flight
         self._failed = False
-        if writer:
+        if writer:  # a save that fails is reported once, by CheckpointWriteFailed
             _quiet_failed_writes()
+            _quiet_abandoned_reads()
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -184,7 +185,6 @@ class Checkpointer:
         """Stop the manager's threads, remove the failed step's temporary directory (rank
         0: it holds every process's shards), and say which step a resume starts from."""
         step, self._saving, self._failed = self._saving, None, True
-        _quiet_abandoned_reads()  # the failed save's other writes fail again as they end
         with contextlib.suppress(Exception):  # orbax raises the stored failure again
             self.manager.close()
         if jax.process_index() == 0:
