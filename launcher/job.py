@@ -165,7 +165,8 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
             return {"refused": True, "gate": e.report}
         sys.exit(EXIT_GATE_REFUSED)
     except WriteFailed as e:  # a full disk: the last complete checkpoint is intact
-        cluster.leave(ranks, f"{e}; resume with hydra.run.dir={run_dir}", EXIT_WRITE_FAILED)
+        again = f"hydra.sweep.dir={hc.sweep.dir}" if multirun else f"hydra.run.dir={run_dir}"
+        cluster.leave(ranks, f"{e}; resume with {again}", EXIT_WRITE_FAILED)
     except Interrupted as e:
         assert signals is not None
         if wb:

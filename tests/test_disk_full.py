@@ -216,3 +216,18 @@ def test_a_write_failure_is_told_from_other_errors(tmp_path: Path) -> None:
     assert load_json(tmp_path / "a.json") == {"kept": True}
     with pytest.raises(ZeroDivisionError):  # not a fault of the disk: raised as it is
         atomic_write(tmp_path / "b.json", lambda tmp: 1 / 0)
+
+
+def test_a_rank_of_several_leaves_at_once() -> None:
+    """In a job of several processes the rank whose write failed exits without running its
+    exit handlers: jax.distributed's would wait there for ranks that are still working."""
+    script = textwrap.dedent("""
+        import atexit
+        from launcher import cluster
+        atexit.register(lambda: print("exit handlers ran"))
+        cluster.leave(cluster.Ranks(process_id=1, num_processes=2), "cannot write x", 1)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          check=False, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr == "[rank 1/2] cannot write x\n" and proc.stdout == "", proc
