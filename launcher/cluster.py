@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from typing import Self
 
 from pdecomp.config import EXIT_BAD_CONFIG
 
@@ -146,7 +147,7 @@ class StopSignals:
             if sig not in self._before:
                 self._before[sig] = signal.signal(sig, self._on_signal)
 
-    def __enter__(self) -> StopSignals:
+    def __enter__(self) -> Self:
         self.install()
         return self
 
@@ -193,3 +194,16 @@ def say(ranks: Ranks, message: str) -> None:
     """One line on this rank's own log (every rank has one), so each rank's end is on record."""
     print(f"[rank {ranks.process_id}/{ranks.num_processes}] {message}", file=sys.stderr,
           flush=True)
+
+
+def leave(ranks: Ranks, message: str, code: int) -> None:
+    """End this rank with one line on stderr and exit `code`. In a job of several processes
+    it leaves at once: the others may be waiting for it in a collective or a checkpoint's
+    barrier it will not reach, and a normal exit would first wait in jax.distributed's
+    shutdown barrier; srun's --kill-on-bad-exit then ends them."""
+    if ranks.num_processes > 1:
+        say(ranks, message)
+        sys.stdout.flush()
+        os._exit(code)
+    print(message, file=sys.stderr, flush=True)
+    sys.exit(code)

@@ -23,6 +23,7 @@ from launcher import cluster, outcome
 from launcher.console import make_console
 from launcher.registry import to_run_config
 from pdecomp.config import EXIT_BAD_CONFIG, EXIT_GATE_REFUSED, ConfigError, RunConfig
+from pdecomp.storage import EXIT_WRITE_FAILED, WriteFailed
 from pdecomp.units import GiB, fmt_bytes
 
 console = make_console(stderr=True)
@@ -108,7 +109,8 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
         """A job that did not finish: a sweep's row says how (every job of an in-process
         sweep runs whatever the others do); a single run exits with the code."""
         if rank0 and (multirun or in_slurm):
-            outcome.write(run_dir, code, reason)
+            with contextlib.suppress(OSError):  # a full disk: the launcher says "failed"
+                outcome.write(run_dir, code, reason)
         if multirun and not in_slurm:
             return {"failed": True, "exit_code": code, "reason": reason}
         sys.exit(code)
@@ -178,6 +180,13 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
         if in_slurm:  # every rank exits 3; the launcher reports the job
             cluster.say(ranks, f"gate refused: exit {EXIT_GATE_REFUSED}")
         return {**ended(EXIT_GATE_REFUSED, str(e)), "refused": True, "gate": e.report}
+    except WriteFailed as e:  # a full disk: the last complete checkpoint is intact
+        again = f"hydra.sweep.dir={hc.sweep.dir}" if multirun else f"hydra.run.dir={run_dir}"
+        line = f"{e}; resume with {again}"
+        if multirun and not in_slurm:  # the sweep's other jobs still run (and may fit)
+            print(line, file=sys.stderr)
+            return ended(EXIT_WRITE_FAILED, line)
+        cluster.leave(ranks, line, EXIT_WRITE_FAILED)
     except Interrupted as e:
         assert signals is not None
         code = cluster.EXIT_REQUEUED if signals.requeue_requested() else signals.exit_code()
@@ -194,7 +203,7 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
             wb.finish(exit_code=1)
         print(f"error: {e}", file=sys.stderr)
         return ended(1, f"error: {e}")
-    except Exception as e:  # noqa: BLE001 - a job of an in-process sweep: the sweep goes on
+    except Exception as e:  # a job of an in-process sweep: the sweep goes on
         if not (multirun and not in_slurm):
             raise
         traceback.print_exc()

@@ -1,18 +1,23 @@
 """Save and restore the whole TrainState with orbax.
 
 Orbax writes each step to a temporary directory and renames it when complete, so a
-killed job never leaves a partial checkpoint that `latest_step` would pick up. A complete
-checkpoint can still be damaged afterwards (a disk or copy fault): `restore_latest` moves
-such a step aside and resumes from the one before it.
+killed job never leaves a partial checkpoint that `latest_step` would pick up. A save that
+fails (a full disk) raises CheckpointWriteFailed and removes its temporary directory; the
+previous step stays as it was, and is what a resume starts from. A complete checkpoint can
+still be damaged afterwards (a disk or copy fault): `restore_latest` moves such a step aside
+and resumes from the one before it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import logging
 import re
+import shutil
 import sys
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import equinox as eqx
@@ -21,6 +26,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from pdecomp.storage import WriteFailed, storage_error
+
 UNREADABLE = ".unreadable"  # suffix of a step directory moved aside; orbax ignores it
 
 
@@ -28,17 +35,29 @@ class UnreadableCheckpoint(Exception):
     """A step whose metadata cannot be read."""
 
 
+class CheckpointWriteFailed(WriteFailed):
+    """A checkpoint could not be written (a full disk); the steps saved before it are intact
+    and a resume starts from the newest of them. `str()` is one line."""
+
+
 def is_array_like(x) -> bool:
     return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
 class Checkpointer:
-    def __init__(self, directory: str | Path, max_to_keep: int = 2):
+    def __init__(self, directory: str | Path, max_to_keep: int = 2, writer: bool = False):
+        """`writer`: this is the run that saves here (not a reader of a run that may be
+        saving): it removes the temporary directories that a killed earlier attempt left."""
         self.directory = Path(directory).absolute()
         self.manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
-                                                                 create=True),
+            self.directory, options=ocp.CheckpointManagerOptions(
+                max_to_keep=max_to_keep, create=True, cleanup_tmp_directories=writer),
             item_handlers=ocp.StandardCheckpointHandler())  # so item_metadata can read steps
+        self._saving: int | None = None  # the step of the save in flight
+        self._failed = False
+        if writer:  # a save that fails is reported once, by CheckpointWriteFailed
+            _quiet_failed_writes()
+            _quiet_abandoned_reads()
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -48,8 +67,14 @@ class Checkpointer:
         return sorted(self.manager.all_steps(), reverse=True)
 
     def save(self, step: int, state: eqx.Module) -> None:
+        """Start saving `step` (in the background). Raises CheckpointWriteFailed for this
+        step, or for the one still in flight, which is waited for first so that its failure
+        is reported as its own."""
+        self.wait()
         arrays, _ = eqx.partition(state, eqx.is_array)
-        self.manager.save(step, args=ocp.args.StandardSave(arrays), force=True)
+        self._saving = step
+        with self._writing():
+            self.manager.save(step, args=ocp.args.StandardSave(arrays), force=True)
 
     def restore(self, state_like: eqx.Module, step: int | None = None) -> eqx.Module:
         """Restore into the structure (and shardings) of `state_like` (concrete or abstract)."""
@@ -133,18 +158,56 @@ class Checkpointer:
         return None
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Until the save in flight is complete on disk; CheckpointWriteFailed if it failed."""
+        with self._writing():
+            self.manager.wait_until_finished()
+        self._saving = None
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        if self._failed:  # closed when it failed
+            return
+        self.wait()
         self.manager.close()
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """A failure of the file system under orbax (raised here or from its threads)
+        becomes one CheckpointWriteFailed; the failed step's partial files are removed."""
+        try:
+            yield
+        except Exception as e:
+            why = storage_error(e)
+            if why is None:
+                raise
+            raise self._abandon(why) from e
+
+    def _abandon(self, why: str) -> CheckpointWriteFailed:
+        """Stop the manager's threads, remove the failed step's temporary directory (rank
+        0: it holds every process's shards), and say which step a resume starts from."""
+        step, self._saving, self._failed = self._saving, None, True
+        with contextlib.suppress(Exception):  # orbax raises the stored failure again
+            self.manager.close()
+        if jax.process_index() == 0:
+            for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(partial, ignore_errors=True)
+        kept = complete_steps(self.directory)
+        return CheckpointWriteFailed(
+            f"cannot write the checkpoint at step {step} in {self.directory}: {why}; " + (
+                f"the last complete checkpoint, step {kept[0]}, is intact" if kept
+                else "no checkpoint was written before it"))
+
+
+def complete_steps(directory: Path) -> list[int]:
+    """The steps whose checkpoints are complete (finalized) on disk, newest first: read
+    afresh, not from a manager's list, which may still hold a step whose save failed."""
+    return sorted(ocp.utils.checkpoint_steps(directory), reverse=True)
 
 
 def _quiet_abandoned_reads() -> None:
-    """After a failed read orbax abandons the step's other reads. Each fails again later,
-    when its coroutine is collected or when it completes into the closed event loop, and
-    most print a traceback through `sys.unraisablehook` as they do: from now on in this
-    process those are dropped (tensorstore prints some itself)."""
+    """After a failed read (or save) orbax abandons the step's other reads (writes). Each
+    fails again later, when its coroutine is collected or when it completes into the closed
+    event loop, and most print a traceback through `sys.unraisablehook` as they do: from now
+    on in this process those are dropped (tensorstore prints some itself)."""
     hook = sys.unraisablehook
     if getattr(hook, "quiets_abandoned_reads", False):
         return
@@ -157,6 +220,27 @@ def _quiet_abandoned_reads() -> None:
 
     quiet.quiets_abandoned_reads = True
     sys.unraisablehook = quiet
+
+
+def _quiet_failed_writes() -> None:
+    """A failed save is reported once, as CheckpointWriteFailed. Before it reaches us orbax
+    has logged the failure of each of its writes as an error with a traceback (and asyncio
+    its unretrieved tasks); on a full disk a log file's handler then fails on each of those
+    records too, and prints a traceback of its own. Those records are dropped."""
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _FailedWriteRecords) for f in logger.filters):
+            logger.addFilter(_FailedWriteRecords())
+
+
+class _FailedWriteRecords(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        raised = [a for a in (record.exc_info or (None, None))[1:2] + args
+                  if isinstance(a, BaseException)]
+        if any(storage_error(e) for e in raised):
+            return False
+        return not re.search(r"\[Errno \d+\]|os_error_code=", str(record.msg))
 
 
 def _by_name(tree) -> dict[str, tuple[tuple[int, ...], str]]:

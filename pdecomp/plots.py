@@ -13,6 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
+from pdecomp.storage import atomic_write
 from pdecomp.units import GiB, MiB, fmt_bytes
 
 
@@ -30,8 +31,7 @@ def plot_mean_ci(ci: dict[str, dict], path: Path, threshold: float) -> Path:
         ax.set_ylabel("mean CI")
     axes[-1, 0].set_xlabel("component (sorted by mean CI)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path, dpi=120)
     return path
 
 
@@ -56,8 +56,7 @@ def plot_tms_directions(W: np.ndarray, comp_rows: np.ndarray, live: np.ndarray, 
         ax.set_aspect("equal")
         ax.set_title(f"{title} ({len(vecs)})", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path, dpi=120)
     return path
 
 
@@ -77,8 +76,7 @@ def plot_history(history: list[dict[str, float]], path: Path) -> Path:
     b.set_title("L0 (components with CI > threshold, per input)", fontsize=10)
     b.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path, dpi=120)
     return path
 
 
@@ -161,8 +159,7 @@ def plot_gate_sweep(labels: list[str], reports: list[dict], path: Path) -> Path:
     if _overlapping(ax.get_xticklabels()):
         plt.setp(ax.get_xticklabels(), rotation=30, ha="right", rotation_mode="anchor")
         fig.tight_layout()
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    _save(fig, path, dpi=120, bbox_inches="tight")
     return path
 
 
@@ -187,8 +184,7 @@ def plot_frequency_norm(sites: dict[str, tuple[np.ndarray, np.ndarray]], path: P
         ax.set_visible(False)
     axes[0, 0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path, dpi=110)
     return path
 
 
@@ -212,6 +208,15 @@ def plot_feature_ci(ci: dict[str, np.ndarray], path: Path, threshold: float, val
         fig.colorbar(im, ax=ax, fraction=0.03)
     axes[-1, 0].set_xlabel("component")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path, dpi=110)
     return path
+
+
+def _save(fig: plt.Figure, path: Path, **savefig_kw) -> None:
+    """Saved whole or not at all (a full disk leaves no half-written image); closed either
+    way. The format is the path's, which the temporary file's name does not end in."""
+    try:
+        atomic_write(path, lambda tmp: fig.savefig(tmp, format=path.suffix.lstrip("."),
+                                                   **savefig_kw))
+    finally:
+        plt.close(fig)

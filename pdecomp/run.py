@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
-from pdecomp import data, hardware, llama, metrics, plots, sharding, targets
+from pdecomp import data, hardware, llama, metrics, plots, sharding, storage, targets
 from pdecomp import gate as gate_lib
 from pdecomp.checkpoint import Checkpointer, UnreadableCheckpoint
 from pdecomp.components import with_tied
@@ -83,12 +83,10 @@ def is_main_process() -> bool:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    """Write atomically: a reader never sees half a file. Rank 0 only."""
-    if not is_main_process():
-        return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=_jsonable))
-    tmp.replace(path)
+    """Write atomically: a reader never sees half a file; WriteFailed on a full disk. Rank 0
+    only."""
+    if is_main_process():
+        storage.write_text(path, json.dumps(obj, indent=1, default=_jsonable))
 
 
 CONFIG_FILE = "config.yaml"  # the resolved RunConfig, which `pdecomp.runs.load_run` reads
@@ -99,9 +97,8 @@ def write_config(cfg: RunConfig, run_dir: Path) -> None:
     if not is_main_process():
         return
     plain = json.loads(json.dumps(dc.asdict(cfg)))
-    tmp = run_dir / (CONFIG_FILE + ".tmp")
-    tmp.write_text(yaml.safe_dump(plain, sort_keys=False, allow_unicode=True))
-    tmp.replace(run_dir / CONFIG_FILE)
+    storage.write_text(run_dir / CONFIG_FILE,
+                       yaml.safe_dump(plain, sort_keys=False, allow_unicode=True))
 
 
 def _jsonable(x: Any) -> Any:
@@ -364,7 +361,11 @@ def load_target(cfg: RunConfig, target_abs: Any, log: Callable[[str], None]
 
 
 def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -> dict[str, Any]:
-    """Run (or resume) the decomposition described by `cfg`; return the summary dict."""
+    """Run (or resume) the decomposition described by `cfg`; return the summary dict.
+
+    A file that cannot be written (a full disk) raises storage.WriteFailed, a checkpoint
+    checkpoint.CheckpointWriteFailed: the last complete checkpoint is intact, and running
+    again in `run_dir` resumes from it."""
     hooks = hooks or Hooks()
     run_dir = Path(run_dir)
     preflight(cfg, run_dir)
@@ -455,7 +456,7 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
     sample = batch_sampler(cfg, batch_sharding, data_key)
 
     # State: resume from the latest readable checkpoint, or initialise fresh.
-    ckpt = Checkpointer(run_dir / "checkpoints")
+    ckpt = Checkpointer(run_dir / "checkpoints", writer=True)
     state, start = ckpt.restore_latest(state_abs, hooks.log)
     if start is not None:
         hooks.log(f"resumed from checkpoint at step {start}")
@@ -522,8 +523,7 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
         stop = (hooks.should_stop is not None and done % cfg.logging.stop_check_every == 0
                 and any_process(hooks.should_stop()))
         if done % ckpt_every == 0 or done == steps or stop:
-            ckpt.save(done, state)
-            write_json(run_dir / "history.json", history)
+            checkpoint(ckpt, run_dir, done, state, history)
         if stop and done < steps:
             ckpt.close()  # waits until the checkpoint is complete on disk
             raise Interrupted(done, ckpt.directory)
@@ -541,6 +541,19 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
     write_json(run_dir / "summary.json", summary)
     write_json(run_dir / "history.json", history)
     return summary
+
+
+def checkpoint(ckpt: Checkpointer, run_dir: Path, step: int, state: TrainState,
+               history: list[dict[str, float]]) -> None:
+    """The history, then the state at `step` (saved in the background). The history first:
+    a resume keeps its entries up to the checkpoint it starts from, so it must never be older
+    than that checkpoint, also when a full disk stops the run between the two writes."""
+    try:
+        write_json(run_dir / "history.json", history)
+    except storage.WriteFailed:
+        ckpt.close()  # a save in flight that failed on the same disk is the fault to report
+        raise
+    ckpt.save(step, state)
 
 
 def evaluate(cfg: RunConfig, target, state: TrainState, run_dir: Path,

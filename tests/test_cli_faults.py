@@ -167,7 +167,7 @@ def test_a_stop_signal_checkpoints_and_the_run_resumes(
             break
     time.sleep(0.5)
     proc.send_signal(sig)
-    out, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=120)
     assert proc.returncode == code, (proc.returncode, err[-3000:])
     assert "Traceback" not in err, err[-3000:]
     last = err.strip().splitlines()[-1]
