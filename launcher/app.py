@@ -231,9 +231,10 @@ def _restore(record: tuple[Path, dict[str, bytes]] | None) -> None:
 
 def main() -> None:
     if sys.argv[1:2] == ["analyze"]:  # a subcommand of its own, not a Hydra job
+        from launcher.job import log_report
         from pdecomp.analyze import main as analyze
 
-        sys.exit(analyze(sys.argv[2:]))
+        sys.exit(analyze(sys.argv[2:], on_report=log_report))
     cluster.split_cpu_devices()
     hardware.no_gpu_autotuning_without_gpus()
     overrides = _overrides(sys.argv[1:])

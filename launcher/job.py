@@ -77,6 +77,21 @@ class WandbLogger:
         self.run.finish(exit_code=exit_code)
 
 
+def log_report(run: Any, index: Path) -> None:
+    """After `pdecomp analyze` on a run that logs to wandb: the report's plots, as images,
+    in that run's wandb (resumed by its id; offline unless WANDB_MODE says otherwise)."""
+    if not run.config.logging.wandb:
+        return
+    import wandb
+    import yaml
+
+    config = yaml.safe_load((run.run_dir / "config.yaml").read_text())
+    wb = WandbLogger(run.config, run.run_dir, config)
+    wb.run.log({f"analyze/{p.stem}": wandb.Image(str(p))
+                for p in sorted(index.parent.glob("*.png"))})
+    wb.finish()
+
+
 def _discard(run_dir: Path) -> None:
     """Remove a run directory that holds only what Hydra wrote for a job that never ran."""
     hydra_only = all(p.name == ".hydra" or p.suffix == ".log" for p in run_dir.iterdir())

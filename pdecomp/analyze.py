@@ -420,7 +420,10 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str]) -> int:
+def main(argv: Sequence[str],
+         on_report: Callable[[Run, Path], None] | None = None) -> int:
+    """`pdecomp analyze`; `on_report(run, index)` once the report is written (the launcher
+    logs its plots to the run's wandb there: this library never imports wandb)."""
     args = parser().parse_args(argv)
     for name in ("top_k", "windows", "inputs", "batch_size"):
         value = getattr(args, name)
@@ -443,6 +446,8 @@ def main(argv: Sequence[str]) -> int:
     finally:
         stop()
     index = write_report(a, run.run_dir)
+    if on_report:
+        on_report(run, index)
     for s, v in a.stats.items():
         print(f"{s}: {len(v.freq) - v.dead} firing, {v.dead} dead of {len(v.freq)}",
               file=sys.stderr)

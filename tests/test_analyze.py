@@ -43,7 +43,9 @@ def lm_report(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) -> 
 def tms_report(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) -> Path:
     tmp = tmp_path_factory.mktemp("tms")
     run_dir = tmp / "run"
-    ok(pdecomp(["+experiment=tms_5-2", "optim.steps=300", *QUIET,
+    # with wandb (offline, the env fixture's): the report's plots go there too
+    ok(pdecomp(["+experiment=tms_5-2", "optim.steps=300",
+                *(q for q in QUIET if not q.startswith("logging.wandb=")),
                 f"hydra.run.dir={run_dir}"], tmp, env))
     ok(pdecomp(["analyze", str(run_dir)], tmp, env))
     return run_dir
@@ -217,3 +219,16 @@ def test_contexts_are_decoded_with_the_model_directorys_tokenizer(tmp_path: Path
     assert decoded.source == f"decoded with {tmp_path / 'tokenizer.json'}"
     plain = analyze.Tokens(str(tmp_path / "elsewhere"))
     assert plain.decode(2) == "2" and plain.source == "token ids" and plain.sep == " "
+
+
+def test_the_plots_are_logged_to_the_runs_wandb(tms_report: Path, lm_report: Path) -> None:
+    """With wandb on, analyze resumes the run's own wandb run (its id) and logs each plot
+    of the report as an image; with wandb off it writes no wandb files."""
+    run_id = (tms_report / "wandb_id.txt").read_text().strip()
+    runs = sorted((tms_report / "wandb").glob(f"offline-run-*-{run_id}"))
+    assert len(runs) == 2, runs  # the training run's, then analyze's
+    logged = {p.name.rsplit("_", 2)[0] for p in
+              (runs[-1] / "files" / "media" / "images" / "analyze").glob("*.png")}
+    assert logged == {p.stem for p in (tms_report / "analysis").glob("*.png")} >= {
+        "mean_ci", "frequency_norm", "feature_ci"}
+    assert not (lm_report / "wandb").exists()
