@@ -64,7 +64,7 @@ def run_on_cpu_devices(script: str, n: int, *args: str, timeout: int = 600) -> A
     fixed when JAX starts, hence the subprocess); its last stdout line, parsed as JSON.
     The script can import the tests' helpers (`from conftest import train_on_all_devices`)."""
     path = os.pathsep.join(p for p in (TESTS_DIR, os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}",
+    env = {**os.environ, "XLA_FLAGS": hardware.cpu_device_flags(n),
            "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
     res = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
                          text=True, check=False, timeout=timeout)

@@ -203,3 +203,11 @@ def test_ctrl_c_outside_training_exits_130_with_one_line(env: dict[str, str],
     assert proc.returncode == 130, (proc.returncode, err[-3000:])
     assert "Traceback" not in err and err.strip().splitlines()[-1] == \
         "interrupted (Ctrl-C): exit 130", err[-3000:]
+
+
+def test_submitit_local_jobs_end_the_same_way(env: dict[str, str], tmp_path: Path) -> None:
+    """The same rows and code through submitit's local executor as in this process."""
+    proc, _, rows = sweep(["cluster=local", "mesh=local,fsdp8"], env, tmp_path)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert [r["exit_code"] for r in rows] == ["0", "2"]
+    assert rows[1]["reason"].startswith("config error: mesh.gpus_per_host=8"), rows[1]
