@@ -252,7 +252,8 @@ def main() -> None:
         multirun = bool({"-m", "--multirun"} & set(sys.argv))
         key, out_dir = ("hydra.sweep.dir", run.sweep_dir) if multirun else ("hydra.run.dir",
                                                                             run.run_dir)
-        if why := output_dir_problem(out_dir):
+        prints_only = bool({"--cfg", "-c"} & set(sys.argv))  # Hydra makes no directory
+        if not prints_only and (why := output_dir_problem(out_dir)):
             print(f"config error: {key}={out_dir}: {why}; give a directory that can be made "
                   "and written", file=sys.stderr)
             sys.exit(EXIT_BAD_CONFIG)
