@@ -58,9 +58,7 @@ def split_cpu_devices() -> None:
         print(f"config error: PDECOMP_CPU_DEVICES={n!r}: give a whole number of CPU devices, "
               f"1 or more", file=sys.stderr)
         sys.exit(EXIT_BAD_CONFIG)
-    from pdecomp.hardware import cpu_device_flags
-
-    os.environ["XLA_FLAGS"] = cpu_device_flags(int(n), flags)
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
 def coordinator_address() -> str:

@@ -36,28 +36,6 @@ from pdecomp.config import ConfigError
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc mallopt params
 
 
-def cpu_device_flags(n: int, flags: str = "") -> str:
-    """`flags` (XLA_FLAGS) with `n` simulated XLA:CPU devices.
-
-    Under jaxlib 0.11, once XLA:CPU has more than one device, LLVM's loop vectorizer can
-    run for hours on some kernels of the step (an unbounded recursion in its VPlan
-    uniformity analysis: llama_tiny's step with the global CI transformer compiled in 8 s
-    with one device and had not finished after 10 minutes with eight). Such processes
-    compile at LLVM -O0, which vectorizes nothing; simulated devices are for trying layouts,
-    not for speed. An optimization level of the user's own wins."""
-    flags = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-    if (n > 1 and package_version("jaxlib") >= (0, 11)
-            and "xla_backend_optimization_level" not in flags):
-        flags += " --xla_backend_optimization_level=0"
-    return flags
-
-
-def package_version(package: str) -> tuple[int, ...]:
-    from importlib.metadata import version
-
-    return tuple(int(p) for p in version(package).split(".")[:2] if p.isdigit())
-
-
 @functools.cache
 def keep_freed_host_memory() -> bool:
     """Let glibc keep freed blocks for reuse instead of handing them back to the kernel.

@@ -59,12 +59,26 @@ def load_json(path: Path) -> Any:
 TESTS_DIR = str(Path(__file__).resolve().parent)
 
 
+def cpu_device_flags(n: int) -> str:
+    """XLA_FLAGS for `n` simulated CPU devices. Under jaxlib 0.11, with more than one XLA:CPU
+    device, LLVM's loop vectorizer ran past 10 minutes on llama_tiny's step with the global
+    CI transformer (an unbounded recursion in its VPlan uniformity analysis; 8 s with one
+    device, bench/RESULTS.md); these processes compile at LLVM -O0, and compare only
+    against what they compute themselves, since -O0 also rounds differently (no FMA)."""
+    from importlib.metadata import version
+
+    flags = f"--xla_force_host_platform_device_count={n}"
+    major_minor = tuple(int(p) for p in version("jaxlib").split(".")[:2])
+    return flags + (" --xla_backend_optimization_level=0" if n > 1 and major_minor >= (0, 11)
+                    else "")
+
+
 def run_on_cpu_devices(script: str, n: int, *args: str, timeout: int = 600) -> Any:
     """Run `script` in a fresh Python with `n` simulated CPU devices (the device count is
     fixed when JAX starts, hence the subprocess); its last stdout line, parsed as JSON.
     The script can import the tests' helpers (`from conftest import train_on_all_devices`)."""
     path = os.pathsep.join(p for p in (TESTS_DIR, os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "XLA_FLAGS": hardware.cpu_device_flags(n),
+    env = {**os.environ, "XLA_FLAGS": cpu_device_flags(n),
            "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
     res = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
                          text=True, check=False, timeout=timeout)
