@@ -230,6 +230,14 @@ def _restore(record: tuple[Path, dict[str, bytes]] | None) -> None:
 
 
 def main() -> None:
+    try:
+        _main()
+    except KeyboardInterrupt:  # Ctrl-C while composing or checking, before any job
+        print("interrupted (Ctrl-C): exit 130", file=sys.stderr)
+        sys.exit(130)
+
+
+def _main() -> None:
     if sys.argv[1:2] == ["analyze"]:  # a subcommand of its own, not a Hydra job
         from launcher.job import log_report
         from pdecomp.analyze import main as analyze

@@ -197,7 +197,10 @@ def test_ctrl_c_outside_training_exits_130_with_one_line(env: dict[str, str],
     proc = subprocess.Popen([PDECOMP, "gate.only=true", "gate.target=b200", "mesh=fsdp64"],
                             cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
-    time.sleep(4)  # composed, in the job, tracing or compiling
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "outputs").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)  # Hydra has started the job
+    time.sleep(1)  # in the job: building the state's shapes, tracing or compiling
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, (proc.returncode, err[-3000:])
