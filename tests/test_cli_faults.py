@@ -193,16 +193,19 @@ def test_model_path_names_the_run_after_the_model(env: dict[str, str], tmp_path:
 
 def test_ctrl_c_outside_training_exits_130_with_one_line(env: dict[str, str],
                                                          tmp_path: Path) -> None:
-    """A gate-only run has no step to stop at: Ctrl-C ends it at once, without a trace."""
-    proc = subprocess.Popen([PDECOMP, "gate.only=true", "gate.target=b200", "mesh=fsdp64"],
+    """A gate-only run has no step to stop at: Ctrl-C ends it at once, without a trace (the
+    8B preset's gate: its compile takes a minute or more, so the signal finds it running)."""
+    proc = subprocess.Popen([PDECOMP, "+experiment=llama8b_l18-26_chunkwise", "gate.only=true",
+                             "gate.target=b200", "mesh=fsdp8x8"],
                             cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60
     while not (tmp_path / "outputs").exists() and time.monotonic() < deadline:
         time.sleep(0.1)  # Hydra has started the job
     time.sleep(1)  # in the job: building the state's shapes, tracing or compiling
+    assert proc.poll() is None, "the gate ended before it could be interrupted"
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, (proc.returncode, err[-3000:])
     assert "Traceback" not in err and err.strip().splitlines()[-1] == \
         "interrupted (Ctrl-C): exit 130", err[-3000:]
