@@ -10,6 +10,7 @@ import itertools
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import traceback
@@ -230,11 +231,12 @@ def _restore(record: tuple[Path, dict[str, bytes]] | None) -> None:
 
 
 def main() -> None:
-    try:
-        _main()
-    except KeyboardInterrupt:  # Ctrl-C while composing or checking, before any job
-        print("interrupted (Ctrl-C): exit 130", file=sys.stderr)
-        sys.exit(130)
+    # Ctrl-C outside training (composing, tracing, a gate-only compile) ends the process at
+    # once. As an exception it could be swallowed: raised inside a garbage-collection
+    # callback (jax has one), it is reported as "ignored" and the process goes on. Training
+    # installs its own handler (launcher.cluster.StopSignals: a checkpoint first).
+    signal.signal(signal.SIGINT, cluster.interrupted)
+    _main()
 
 
 def _main() -> None:

@@ -160,7 +160,7 @@ class StopSignals:
         name = signal.Signals(signum).name
         if name == "SIGINT":
             if name in self.received:
-                raise KeyboardInterrupt
+                interrupted(signum, frame)
             print("Ctrl-C: stopping at the next step boundary, with a checkpoint "
                   "(Ctrl-C again stops at once, without one)", file=sys.stderr, flush=True)
         self.received.append(name)
@@ -174,6 +174,14 @@ class StopSignals:
     def exit_code(self) -> int:
         """What a shell reports for the first stop signal: 128 + its number."""
         return 128 + signal.Signals[self.received[0]].value
+
+
+def interrupted(signum: int, frame: object) -> None:
+    """Ctrl-C that stops at once: one line, exit 130, no cleanup to wait for (nothing
+    half-written is ever taken for a result: checkpoints and files are written whole)."""
+    print("interrupted (Ctrl-C): exit 130", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(130)
 
 
 def requeue(max_requeues: int) -> str:
