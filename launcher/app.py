@@ -274,9 +274,6 @@ def _main() -> None:
         code = callbacks.sweep_result["exit_code"]
     except SystemExit as e:  # a refused gate (exit 3) and the like
         code = e.code
-    except KeyboardInterrupt:  # Ctrl-C outside training (which stops at a step boundary)
-        print("interrupted (Ctrl-C): exit 130", file=sys.stderr)
-        code = 130
     except BaseException:  # the traceback, then the same way out
         if not _compile_in_flight():
             raise

@@ -124,7 +124,7 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
         """A job that did not finish: a sweep's row says how (every job of an in-process
         sweep runs whatever the others do); a single run exits with the code."""
         if rank0 and (multirun or in_slurm):
-            with contextlib.suppress(OSError):  # a full disk: the launcher says "failed"
+            with contextlib.suppress(WriteFailed):  # a full disk: the launcher says "failed"
                 outcome.write(run_dir, code, reason)
         if multirun and not in_slurm:
             return {"failed": True, "exit_code": code, "reason": reason}

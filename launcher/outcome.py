@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from pdecomp.config import EXIT_BAD_CONFIG, EXIT_GATE_REFUSED
+from pdecomp.storage import write_text
 
 FILE = "outcome.json"
 
 
 def write(job_dir: Path, exit_code: int, reason: str) -> dict[str, Any]:
     ended = {"exit_code": exit_code, "reason": " ".join(reason.split())}  # one line
-    (job_dir / FILE).write_text(json.dumps(ended))
+    write_text(job_dir / FILE, json.dumps(ended))  # whole or not at all
     return ended
 
 
