@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from launcher import cluster
 from pdecomp import hardware
 
 # Before JAX starts its backends: the in-process deviceless gates compile as the CLI's do.
@@ -73,13 +74,19 @@ def cpu_device_flags(n: int) -> str:
                     else "")
 
 
+def cpu_device_env(n: int) -> dict[str, str]:
+    """The environment of a process with `n` simulated CPU devices, its XLA thread pools
+    sized as the launcher sizes them (`launcher.cluster.cpu_device_threads`)."""
+    return {"XLA_FLAGS": cpu_device_flags(n), "JAX_PLATFORMS": "cpu",
+            "NPROC": cluster.cpu_device_threads(n)}
+
+
 def run_on_cpu_devices(script: str, n: int, *args: str, timeout: int = 600) -> Any:
     """Run `script` in a fresh Python with `n` simulated CPU devices (the device count is
     fixed when JAX starts, hence the subprocess); its last stdout line, parsed as JSON.
     The script can import the tests' helpers (`from conftest import train_on_all_devices`)."""
     path = os.pathsep.join(p for p in (TESTS_DIR, os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "XLA_FLAGS": cpu_device_flags(n),
-           "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
+    env = {**os.environ, **cpu_device_env(n), "PYTHONPATH": path}
     res = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
                          text=True, check=False, timeout=timeout)
     assert res.returncode == 0, res.stderr[-3000:]

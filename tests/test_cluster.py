@@ -15,6 +15,7 @@ def test_cpu_device_count_only_on_request(monkeypatch) -> None:
     """XLA's one CPU device unless PDECOMP_CPU_DEVICES asks for more; other flags kept, and
     a device count already in XLA_FLAGS (the user's own) wins."""
     monkeypatch.delenv("PDECOMP_CPU_DEVICES", raising=False)
+    monkeypatch.delenv("NPROC", raising=False)
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=x")
     cluster.split_cpu_devices()
     assert os.environ["XLA_FLAGS"] == "--xla_dump_to=x"
@@ -22,6 +23,8 @@ def test_cpu_device_count_only_on_request(monkeypatch) -> None:
     cluster.split_cpu_devices()
     flags = os.environ["XLA_FLAGS"].split()
     assert sorted(flags) == ["--xla_dump_to=x", "--xla_force_host_platform_device_count=3"]
+    # two XLA threads per simulated device, so no device waits on a thread at a collective
+    assert int(os.environ["NPROC"]) >= 6
     monkeypatch.setenv("PDECOMP_CPU_DEVICES", "2")
     cluster.split_cpu_devices()
     assert os.environ["XLA_FLAGS"].split() == flags
