@@ -88,6 +88,8 @@ class ModelConfig:
     rope_scaling: dict[str, Any] = field(default_factory=dict)  # e.g. rope_type: llama3, ...
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    attn_bias: list[str] = field(default_factory=list)  # q_proj, k_proj, v_proj: Qwen2's
+    sliding_window: int = 0  # Mistral's sliding_window in every layer; 0: full attention
     n_hidden_layers: int = 0  # TMS +ID variants: fixed identity layers between linear1/linear2
     feature_prob: float = 0.05
     train_steps: int = 10_000
@@ -568,6 +570,11 @@ def _validate_llama(m: ModelConfig) -> None:
     if not m.head_dim and m.d_embed % m.n_heads:
         raise ConfigError("model.n_heads", m.n_heads,
                           f"must divide model.d_embed ({m.d_embed}) unless model.head_dim is set")
+    from pdecomp.llama import ATTN
+
+    if odd := [n for n in m.attn_bias if n not in ATTN]:
+        raise ConfigError("model.attn_bias", odd[0], f"allowed: {', '.join(ATTN)}")
+    _positive("model.sliding_window", m.sliding_window, zero_ok=True)
     if problem := rope_problem(m.rope_scaling):
         name, value, allowed = problem
         raise ConfigError(f"model.rope_scaling.{name}", value, allowed)

@@ -1,7 +1,9 @@
 """A Llama-family target in Equinox, loaded from a Hugging Face directory.
 
 GQA attention, RoPE (with Llama-3's "llama3" frequency scaling), RMSNorm, SwiGLU MLP, tied
-or untied embeddings. Per-layer weights are stacked on a leading layer axis so layers that
+or untied embeddings; the family's variants by their flags: attention projections with a
+bias (Qwen2's q/k/v, Llama's `attention_bias`) and a sliding attention window (Mistral's
+every layer, Qwen2's layers from `max_window_layers` on). Per-layer weights are stacked on a leading layer axis so layers that
 hold no decomposed site run under one `lax.scan`; layers that hold a site run unrolled and
 route each matmul through the caller's `linear(site, x, W)` with HF-style site names
 (`layers.18.mlp.gate_proj`, `layers.3.self_attn.q_proj`, ...). Weights are [d_in, d_out].
@@ -55,6 +57,9 @@ class LlamaConfig:
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 2048
+    # Not config.json names: what its model_type makes of its fields (`from_hf`).
+    bias: tuple[str, ...] = ()  # the attention projections that add a bias
+    windows: tuple[int, ...] = ()  # each layer's sliding window, 0 for none; (): none at all
 
     @property
     def d_head(self) -> int:
@@ -64,14 +69,40 @@ class LlamaConfig:
     def from_hf(data: dict[str, Any]) -> LlamaConfig:
         """Both layouts of the RoPE settings: top-level `rope_theta` + `rope_scaling` (the
         Hub's Llama-3 checkpoints) and `rope_parameters` (what transformers 5 writes)."""
-        names = {f.name for f in fields(LlamaConfig)}
+        names = {f.name for f in fields(LlamaConfig)} - {"bias", "windows"}
         kwargs = {k: v for k, v in data.items() if k in names and v is not None}
+        kwargs["bias"], kwargs["windows"] = attention_bias(data), layer_windows(data)
         rope = data.get("rope_parameters")
         if rope:
             kwargs["rope_theta"] = rope.get("rope_theta", kwargs.get("rope_theta", 10_000.0))
             if rope.get("rope_type", "default") != "default":
                 kwargs["rope_scaling"] = rope
         return LlamaConfig(**kwargs)
+
+
+def attention_bias(data: dict[str, Any]) -> tuple[str, ...]:
+    """The projections transformers builds with a bias for this config.json: Qwen2's q, k
+    and v always; all four of a Llama's with `attention_bias`."""
+    if data.get("model_type") == "qwen2":
+        return ("q_proj", "k_proj", "v_proj")
+    return ATTN if data.get("model_type") == "llama" and data.get("attention_bias") else ()
+
+
+def layer_windows(data: dict[str, Any]) -> tuple[int, ...]:
+    """Each layer's sliding window as transformers applies it (0: full causal attention):
+    Mistral's `sliding_window` in every layer; Qwen2's only with `use_sliding_window`, in
+    the layers `layer_types` names sliding (by default those from `max_window_layers` on)."""
+    kind, n = data.get("model_type"), int(data.get("num_hidden_layers", 0))
+    window = data.get("sliding_window")
+    if kind == "mistral" and window:
+        return (int(window),) * n
+    if kind == "qwen2" and window and data.get("use_sliding_window"):
+        first = data.get("max_window_layers", 28)
+        types = data.get("layer_types") or ["sliding_attention" if i >= first else
+                                             "full_attention" for i in range(n)]
+        windows = tuple(int(window) if t == "sliding_attention" else 0 for t in types)
+        return windows if any(windows) else ()
+    return ()
 
 
 def arch(model: ModelConfig) -> LlamaConfig:
@@ -84,7 +115,9 @@ def arch(model: ModelConfig) -> LlamaConfig:
         num_hidden_layers=model.n_layers, num_attention_heads=model.n_heads,
         num_key_value_heads=model.n_kv_heads, head_dim=model.head_dim,
         rms_norm_eps=model.rms_norm_eps, rope_theta=model.rope_theta,
-        rope_scaling=dict(model.rope_scaling) or None, tie_word_embeddings=model.tie_embeddings)
+        rope_scaling=dict(model.rope_scaling) or None, tie_word_embeddings=model.tie_embeddings,
+        bias=tuple(model.attn_bias),
+        windows=(model.sliding_window,) * model.n_layers if model.sliding_window else ())
 
 
 def site_layer(site: str) -> int:
@@ -138,6 +171,7 @@ class Llama(eqx.Module):
     embed: Float[Array, "vocab d"]
     attn_norm: Float[Array, "L d"]
     attn: dict[str, Array]
+    attn_bias: dict[str, Float[Array, "L d_out"]]  # of the projections in cfg.bias
     mlp_norm: Float[Array, "L d"]
     mlp: dict[str, Array]
     final_norm: Float[Array, " d"]
@@ -155,32 +189,46 @@ class Llama(eqx.Module):
             out |= {f"layers.{i}.mlp.{n}": self.mlp[n][i] for n in MLP}
         return out
 
-    def layer(self, i: int | Array) -> dict[str, Array]:
-        return {"attn_norm": self.attn_norm[i], "mlp_norm": self.mlp_norm[i],
-                **{n: self.attn[n][i] for n in ATTN}, **{n: self.mlp[n][i] for n in MLP}}
+    def layer(self, i: int | slice) -> dict[str, Any]:
+        """Layer `i`'s weights (a slice: stacked, for a scan), its biases and its window."""
+        w = {"attn_norm": self.attn_norm[i], "mlp_norm": self.mlp_norm[i],
+             **{n: self.attn[n][i] for n in ATTN}, **{n: self.mlp[n][i] for n in MLP},
+             "bias": {n: b[i] for n, b in self.attn_bias.items()}}
+        if self.cfg.windows:
+            w["window"] = jnp.asarray(self.cfg.windows, jnp.int32)[i]
+        return w
 
     def rope(self, t: int) -> tuple[Array, Array]:
         cfg = self.cfg
         return rope_tables(rope_inv_freq(cfg.d_head, cfg.rope_theta, cfg.rope_scaling), t)
 
-    def block(self, h: Float[Array, "b t d"], w: dict[str, Array], rope: tuple[Array, Array],
+    def block(self, h: Float[Array, "b t d"], w: dict[str, Any], rope: tuple[Array, Array],
               linear: Callable[[str, Array, Array], Array]) -> Array:
-        """One decoder layer; `linear(name, x, W)` with name one of ATTN + MLP."""
+        """One decoder layer; `linear(name, x, W)` with name one of ATTN + MLP. A bias is
+        not decomposed: it is added to what the (decomposed or frozen) weight computes."""
         cfg, (cos, sin) = self.cfg, rope
         b, t, _ = h.shape
         n_h, n_kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.d_head
+
+        def attn_proj(name: str, x: Array) -> Array:
+            y = linear(name, x, w[name])
+            return y + w["bias"][name].astype(y.dtype) if name in w["bias"] else y
+
         x = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
-        q = apply_rope(linear("q_proj", x, w["q_proj"]).reshape(b, t, n_h, d), cos, sin)
-        k = apply_rope(linear("k_proj", x, w["k_proj"]).reshape(b, t, n_kv, d), cos, sin)
-        v = linear("v_proj", x, w["v_proj"]).reshape(b, t, n_kv, d)
+        q = apply_rope(attn_proj("q_proj", x).reshape(b, t, n_h, d), cos, sin)
+        k = apply_rope(attn_proj("k_proj", x).reshape(b, t, n_kv, d), cos, sin)
+        v = attn_proj("v_proj", x).reshape(b, t, n_kv, d)
         # grouped heads: query head h = g * rep + r reads kv head g
         q = q.reshape(b, t, n_kv, n_h // n_kv, d)
         scores = jnp.einsum("bqgrd,bkgd->bgrqk", q, k) / math.sqrt(d)
         causal = jnp.tril(jnp.ones((t, t), bool))
+        if "window" in w:  # a query sees its `window` latest keys, itself included
+            pos = jnp.arange(t)
+            causal &= (w["window"] == 0) | (pos[:, None] - pos[None, :] < w["window"])
         scores = jnp.where(causal, scores.astype(jnp.float32), -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         ctx = jnp.einsum("bgrqk,bkgd->bqgrd", probs, v).reshape(b, t, n_h * d)
-        h = h + linear("o_proj", ctx, w["o_proj"])
+        h = h + attn_proj("o_proj", ctx)
         x = rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
         gated = jax.nn.silu(linear("gate_proj", x, w["gate_proj"])) * linear("up_proj", x,
                                                                               w["up_proj"])
@@ -276,6 +324,10 @@ def _hf_names(i: int) -> dict[str, str]:
             **{n: f"{p}mlp.{n}.weight" for n in MLP}}
 
 
+def _hf_bias(i: int, name: str) -> str:
+    return f"model.layers.{i}.self_attn.{name}.bias"
+
+
 def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape (HF stores linear weights as [d_out, d_in])."""
     d, inter, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
@@ -288,6 +340,7 @@ def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         out["lm_head.weight"] = (v, d)
     for i in range(cfg.num_hidden_layers):
         out |= {hf: per_layer[k] for k, hf in _hf_names(i).items()}
+        out |= {_hf_bias(i, n): per_layer[n][:1] for n in cfg.bias}
     return out
 
 
@@ -337,8 +390,8 @@ class _Tensors:
 # something else unless they sit at their neutral value. A checkpoint of another family, or
 # with such a field set, is refused: loading it would decompose a model the user did not
 # name, and nothing downstream could tell.
-MODEL_TYPES = ("llama", "mistral")  # mistral: Llama's computation when sliding_window is null
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "attention_bias": (lambda v: not v, "false (q/k/v/o projections without bias)"),
     "mlp_bias": (lambda v: not v, "false (MLP projections without bias)"),
@@ -354,6 +407,11 @@ NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     # transformers rotates only this fraction of each head's dimensions when it is set
     "partial_rotary_factor": (lambda v: v == 1, "1.0 (RoPE over the whole head)"),
 }
+# The NEUTRAL fields a model_type computes (`attention_bias`, `layer_windows`); elsewhere
+# transformers ignores them, and a value other than neutral says the author meant a model
+# this loader would not compute.
+COMPUTED = {"llama": ("attention_bias",), "mistral": ("sliding_window",),
+            "qwen2": ("sliding_window", "use_sliding_window", "layer_types")}
 # Tensors that carry no computation of their own: RoPE's frequencies (recomputed from the
 # config) and, with tied embeddings, a stored copy of the head (transformers ties it over).
 IGNORED_TENSORS = (r"\.rotary_emb\.inv_freq$",)
@@ -371,9 +429,13 @@ def check_computable(data: dict[str, Any], where: str) -> None:
         raise CheckpointError(f"{where}: architectures {archs} are not computed by this "
                               f"loader; allowed: {', '.join(ARCHITECTURES)}")
     for key, (neutral, allowed) in NEUTRAL.items():
-        if key in data and data[key] is not None and not neutral(data[key]):
+        if key not in COMPUTED[kind] and key in data and data[key] is not None and not neutral(data[key]):
             raise CheckpointError(f"{where}: {key}={json.dumps(data[key])} is not computed by "
                                   f"this loader; allowed: {allowed}")
+    kinds = {"full_attention", "sliding_attention"}
+    if kind == "qwen2" and not set(data.get("layer_types") or ()) <= kinds:
+        raise CheckpointError(f"{where}: layer_types={json.dumps(data['layer_types'])} is not "
+                              f"computed by this loader; allowed: {', '.join(sorted(kinds))}")
     for key in ("rope_scaling", "rope_parameters"):
         if problem := rope_problem(data.get(key)):
             name, value, allowed = problem
@@ -416,7 +478,7 @@ def _open_checked(path: Path) -> tuple[LlamaConfig, _Tensors]:
     if extra:
         raise CheckpointError(f"{path}: tensor {extra[0]} is not computed by this loader "
                               f"({len(extra)} such tensors; a Llama holds embeddings, norms "
-                              "and bias-free projections only)")
+                              "and projections, with the biases its config.json implies)")
     return cfg, tensors
 
 
@@ -436,10 +498,17 @@ def load_hf(path: str | Path, dtype: Any = jnp.float32,
     def single(name: str, transpose: bool) -> Callable[[tuple], np.ndarray]:
         return lambda index: tensors.read(name, index, transpose).astype(dtype)
 
+    def bias(name: str) -> Callable[[tuple], np.ndarray]:
+        def read(index: tuple) -> np.ndarray:
+            return np.stack([tensors.read(_hf_bias(i, name), index[1:], False)
+                             for i in range(L)[index[0]]]).astype(dtype)
+        return read
+
     readers: dict[str, Any] = {
         "embed": single("model.embed_tokens.weight", False),
         "attn_norm": stacked("attn_norm", False),
         "attn": {n: stacked(n, True) for n in ATTN},
+        "attn_bias": {n: bias(n) for n in cfg.bias},
         "mlp_norm": stacked("mlp_norm", False),
         "mlp": {n: stacked(n, True) for n in MLP},
         "final_norm": single("model.norm.weight", False),
@@ -456,7 +525,8 @@ def _materialize(abstract: Llama, readers: dict[str, Any], shardings: Llama | No
         return jax.make_array_from_callback(x.shape, sharding, read)
 
     values = {}
-    for name in ("embed", "attn_norm", "attn", "mlp_norm", "mlp", "final_norm", "lm_head"):
+    for name in ("embed", "attn_norm", "attn", "attn_bias", "mlp_norm", "mlp", "final_norm",
+                 "lm_head"):
         a, r = getattr(abstract, name), readers[name]
         s = getattr(shardings, name) if shardings is not None else None
         if a is None:
@@ -486,6 +556,7 @@ def init_llama(key: Array, cfg: LlamaConfig, dtype: Any = jnp.float32) -> Llama:
     return Llama(
         embed=normal((v, d), 1.0), attn_norm=jnp.ones((L, d), dtype),
         attn={n: normal((L, *shapes[n]), shapes[n][0] ** -0.5) for n in ATTN},
+        attn_bias={n: normal((L, shapes[n][1]), 0.5) for n in cfg.bias},
         mlp_norm=jnp.ones((L, d), dtype),
         mlp={n: normal((L, *shapes[n]), shapes[n][0] ** -0.5) for n in MLP},
         final_norm=jnp.ones((d,), dtype),

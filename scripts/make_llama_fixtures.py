@@ -1,12 +1,14 @@
-"""Generate tiny Hugging Face Llama checkpoints + reference logits for JAX parity tests.
+"""Generate tiny Hugging Face Llama-family checkpoints + reference logits for JAX parity tests.
 
 Run with a Python that has torch + transformers + safetensors + numpy (NOT the project env;
 torch/transformers are deliberately not project dependencies), from the repo root:
 
-    python scripts/make_llama_fixtures.py
+    python scripts/make_llama_fixtures.py [NAME ...]
 
-It deletes and rewrites ``tests/fixtures/llama/`` (including its README.md). Output is
-deterministic for a given torch/transformers version (fixed seeds, fp32, eager attention, CPU).
+It rewrites the named fixtures (all without names) under ``tests/fixtures/llama/``, each with
+a ``generated_with.json`` naming the versions that wrote it, and the README.md listing them.
+Output is deterministic for a given torch/transformers version (fixed seeds, fp32, eager
+attention, CPU).
 
 Fixtures written (all float32, standard HF layout: config.json + safetensors):
 
@@ -16,6 +18,13 @@ Fixtures written (all float32, standard HF layout: config.json + safetensors):
 * ``tied_sharded/`` - 2 layers, 4 heads / 4 KV heads, tied embeddings, default RoPE, saved in
   several ``model-0000X-of-0000N.safetensors`` shards + ``model.safetensors.index.json``.
   ``config.json`` is left in the layout the installed transformers writes (v5: ``rope_parameters``).
+
+* ``llama_bias/``, ``qwen2_bias/`` - attention projections with a bias: Llama's
+  ``attention_bias`` (q, k, v and o), Qwen2's q, k and v.
+* ``mistral_window/`` - Mistral with a sliding window of 8 tokens (< the 24 of the tokens),
+  in every layer.
+* ``qwen2_window/`` - Qwen2 with ``use_sliding_window`` and ``max_window_layers: 1``: layer 0
+  attends to the whole prefix, layer 1 to a window of 6.
 
 Each fixture also holds ``tokens.npy`` (int32 [2, 24]), ``logits.npy`` (float32 [2, 24, vocab])
 and ``hidden_after_layer0.npy`` (float32 [2, 24, hidden], output of decoder layer 0).
@@ -32,12 +41,31 @@ import numpy as np
 import safetensors
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 from transformers.models.llama import modeling_llama
+from transformers.models.mistral import modeling_mistral
+from transformers.models.qwen2 import modeling_qwen2
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests" / "fixtures" / "llama"
 BATCH, SEQ = 2, 24
+# family -> (config class, model class, modeling module whose helpers `sensitivity` patches)
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, modeling_llama),
+    "mistral": (MistralConfig, MistralForCausalLM, modeling_mistral),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, modeling_qwen2),
+}
+# The variants' shared shape: 2 layers, GQA 4/2, head_dim 16.
+SMALL = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+         "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",
@@ -92,11 +120,28 @@ FIXTURES = {
             "mlp_bias": False,
         },
     },
+    "llama_bias": {
+        "seed": 91, "family": "llama", "legacy_config": False, "max_shard_size": None,
+        "config": {**SMALL, "rope_theta": 10000.0, "attention_bias": True, "mlp_bias": False},
+    },
+    "qwen2_bias": {
+        "seed": 92, "family": "qwen2", "legacy_config": False, "max_shard_size": None,
+        "config": {**SMALL, "rope_theta": 1000000.0, "use_sliding_window": False},
+    },
+    "mistral_window": {
+        "seed": 93, "family": "mistral", "legacy_config": False, "max_shard_size": None,
+        "config": {**SMALL, "rope_theta": 10000.0, "sliding_window": 8},
+    },
+    "qwen2_window": {
+        "seed": 94, "family": "qwen2", "legacy_config": False, "max_shard_size": None,
+        "config": {**SMALL, "rope_theta": 10000.0, "use_sliding_window": True,
+                   "sliding_window": 6, "max_window_layers": 1},
+    },
 }
 
 
-def make_config(cfg: dict) -> LlamaConfig:
-    config = LlamaConfig(**cfg, dtype="float32")
+def make_config(cfg: dict, family: str = "llama"):
+    config = FAMILIES[family][0](**cfg, dtype="float32")
     config._attn_implementation = "eager"
     return config
 
@@ -105,14 +150,14 @@ def make_config(cfg: dict) -> LlamaConfig:
 def reinit_(model: LlamaForCausalLM, gen: torch.Generator) -> None:
     """Re-initialise so activations and attention patterns are O(1) (HF init is tiny-std).
 
-    Linear weights ~ N(0, 1/fan_in), embeddings ~ N(0, 0.5^2), RMSNorm weights ~ 1 + 0.1 N(0, 1).
-    Tied weights are visited once (named_parameters de-duplicates).
+    Linear weights ~ N(0, 1/fan_in), embeddings ~ N(0, 0.5^2), RMSNorm weights ~ 1 + 0.1 N(0, 1),
+    biases ~ N(0, 0.5^2). Tied weights are visited once (named_parameters de-duplicates).
     """
     for name, p in model.named_parameters():
         noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
         if name.endswith("norm.weight"):
             p.copy_(1.0 + 0.1 * noise)
-        elif "embed_tokens" in name:
+        elif "embed_tokens" in name or name.endswith(".bias"):
             p.copy_(0.5 * noise)
         elif p.ndim == 2:
             p.copy_(noise / math.sqrt(p.shape[1]))
@@ -158,32 +203,50 @@ def check_llama3_inv_freq(model: LlamaForCausalLM, cfg: dict) -> None:
 
 
 @torch.no_grad()
-def sensitivity(name: str, model: LlamaForCausalLM, cfg: dict, tokens, ref: np.ndarray) -> None:
+def sensitivity(name: str, model, cfg: dict, tokens, ref: np.ndarray,
+                family: str = "llama") -> None:
     """Show that the reference logits actually depend on the details a port can get wrong."""
+    model_class, modeling = FAMILIES[family][1], FAMILIES[family][2]
     diffs = {}
-    if "rope_scaling" in cfg:
-        plain_cfg = {k: v for k, v in cfg.items() if k != "rope_scaling"}
-        plain = LlamaForCausalLM(make_config(plain_cfg)).eval()
-        plain.load_state_dict(model.state_dict())
-        diffs["no_llama3_scaling"] = np.abs(forward(plain, tokens)[0] - ref).max()
 
-    orig_rotate, orig_repeat = modeling_llama.rotate_half, modeling_llama.repeat_kv
+    def without(key: str, value=None):  # the same weights, `key` at `value` (None: default)
+        other = {k: v for k, v in cfg.items() if k != key} | ({key: value} if value else {})
+        plain = model_class(make_config(other, family)).eval()
+        plain.load_state_dict(model.state_dict(), strict=False)
+        return np.abs(forward(plain, tokens)[0] - ref).max()
+
+    if "rope_scaling" in cfg:
+        diffs["no_llama3_scaling"] = without("rope_scaling")
+    if family == "mistral" and cfg.get("sliding_window"):
+        diffs["no_sliding_window"] = without("sliding_window", None)
+    if family == "qwen2" and cfg.get("use_sliding_window"):
+        diffs["no_sliding_window"] = without("use_sliding_window", None)
+    biases = [p for n, p in model.named_parameters() if n.endswith(".bias")]
+    if biases:
+        saved = [b.clone() for b in biases]
+        for b in biases:
+            b.zero_()
+        diffs["no_attention_bias"] = np.abs(forward(model, tokens)[0] - ref).max()
+        for b, v in zip(biases, saved, strict=True):
+            b.copy_(v)
+
+    orig_rotate, orig_repeat = modeling.rotate_half, modeling.repeat_kv
 
     def rotate_interleaved(x):
         x1, x2 = x[..., 0::2], x[..., 1::2]
         return torch.stack((-x2, x1), dim=-1).flatten(-2)
 
     try:
-        modeling_llama.rotate_half = rotate_interleaved
+        modeling.rotate_half = rotate_interleaved
         diffs["interleaved_rotate_half"] = np.abs(forward(model, tokens)[0] - ref).max()
     finally:
-        modeling_llama.rotate_half = orig_rotate
+        modeling.rotate_half = orig_rotate
     if cfg["num_key_value_heads"] != cfg["num_attention_heads"]:
         try:
-            modeling_llama.repeat_kv = lambda h, n: h if n == 1 else h.repeat(1, n, 1, 1)
+            modeling.repeat_kv = lambda h, n: h if n == 1 else h.repeat(1, n, 1, 1)
             diffs["kv_tile_instead_of_repeat"] = np.abs(forward(model, tokens)[0] - ref).max()
         finally:
-            modeling_llama.repeat_kv = orig_repeat
+            modeling.repeat_kv = orig_repeat
     # Sanity: patches restored.
     assert np.array_equal(forward(model, tokens)[0], ref)
     for k, v in diffs.items():
@@ -201,12 +264,13 @@ def rewrite_legacy_config(path: Path) -> None:
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def build(name: str, spec: dict) -> dict:
+def build(name: str, spec: dict, versions: dict) -> dict:
     print(f"== {name}")
-    cfg = spec["config"]
+    cfg, family = spec["config"], spec.get("family", "llama")
+    model_class = FAMILIES[family][1]
     torch.manual_seed(spec["seed"])
     gen = torch.Generator().manual_seed(spec["seed"])
-    model = LlamaForCausalLM(make_config(cfg)).eval()
+    model = model_class(make_config(cfg, family)).eval()
     reinit_(model, gen)
     if cfg["tie_word_embeddings"]:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
@@ -217,9 +281,11 @@ def build(name: str, spec: dict) -> dict:
     tokens = tokens.astype(np.int32)
     logits, h0 = forward(model, tokens)
     print(f"  logits std={logits.std():.3f} max|.|={np.abs(logits).max():.3f}")
-    sensitivity(name, model, cfg, tokens, logits)
+    sensitivity(name, model, cfg, tokens, logits, family)
 
     d = OUT / name
+    if d.exists():
+        shutil.rmtree(d)
     kw = {} if spec["max_shard_size"] is None else {"max_shard_size": spec["max_shard_size"]}
     model.save_pretrained(d, safe_serialization=True, **kw)
     if spec["legacy_config"]:
@@ -227,6 +293,7 @@ def build(name: str, spec: dict) -> dict:
     np.save(d / "tokens.npy", tokens)
     np.save(d / "logits.npy", logits.astype(np.float32))
     np.save(d / "hidden_after_layer0.npy", h0.astype(np.float32))
+    (d / "generated_with.json").write_text(json.dumps(versions, indent=2, sort_keys=True) + "\n")
 
     shards = sorted(d.glob("model-*-of-*.safetensors"))
     if spec["max_shard_size"] is not None:
@@ -236,7 +303,7 @@ def build(name: str, spec: dict) -> dict:
         assert (d / "model.safetensors").exists() and not shards
 
     # Round trip: reload from disk (this also checks the rewritten legacy config is understood).
-    again = LlamaForCausalLM.from_pretrained(d, attn_implementation="eager", dtype=torch.float32)
+    again = model_class.from_pretrained(d, attn_implementation="eager", dtype=torch.float32)
     again.eval()
     re_logits, re_h0 = forward(again, tokens)
     np.testing.assert_array_equal(re_logits, logits)
@@ -245,11 +312,12 @@ def build(name: str, spec: dict) -> dict:
     return {"shards": len(shards) or 1}
 
 
-def main() -> None:
+def main(names: list[str]) -> None:
     torch.set_num_threads(1)  # fixed reduction order on CPU
-    if OUT.exists():
-        shutil.rmtree(OUT)
-    OUT.mkdir(parents=True)
+    unknown = sorted(set(names) - set(FIXTURES))
+    if unknown:
+        raise SystemExit(f"unknown fixture {unknown[0]}; allowed: {', '.join(FIXTURES)}")
+    OUT.mkdir(parents=True, exist_ok=True)
     versions = {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -257,37 +325,55 @@ def main() -> None:
         "numpy": np.__version__,
     }
     print("versions:", versions)
-    info = {name: build(name, spec) for name, spec in FIXTURES.items()}
+    for name in names or FIXTURES:
+        build(name, FIXTURES[name], versions)
 
-    readme = f"""# Llama parity fixtures
+    def made_with(name: str) -> str:
+        got = OUT / name / "generated_with.json"
+        v = json.loads(got.read_text()) if got.exists() else {}
+        return ", ".join(f"{k} {v[k]}" for k in sorted(v)) or "versions not recorded"
 
-Tiny random `LlamaForCausalLM` checkpoints (float32, HF `save_pretrained` + safetensors) with
-reference outputs, for checking the JAX Llama port against Hugging Face without torch.
-Generated by `scripts/make_llama_fixtures.py` with torch {versions["torch"]},
-transformers {versions["transformers"]}, safetensors {versions["safetensors"]},
-numpy {versions["numpy"]} (CPU, eager attention, `torch.no_grad()`).
+    shards = len(list((OUT / "tied_sharded").glob("model-*-of-*.safetensors")))
+    readme = f"""# Llama-family parity fixtures
+
+Tiny random Hugging Face checkpoints (float32, `save_pretrained` + safetensors) of the Llama
+family with reference outputs, for checking the JAX port against transformers without torch.
+Generated by `scripts/make_llama_fixtures.py` (CPU, eager attention, `torch.no_grad()`); each
+directory's `generated_with.json` names the versions that wrote it.
 
 Every directory holds `tokens.npy` (int32 [2, 24]), `logits.npy` (float32 [2, 24, 128], from
 `model(tokens).logits`) and `hidden_after_layer0.npy` (float32 [2, 24, 64], decoder layer 0
-output = `output_hidden_states[1]`). Weights: linear ~ N(0, 1/fan_in), embeddings ~ N(0, 0.25),
-RMSNorm weights ~ 1 + 0.1 N(0, 1), so attention patterns and norms matter.
+output = `output_hidden_states[1]`). Weights: linear ~ N(0, 1/fan_in), embeddings and biases
+~ N(0, 0.25), RMSNorm weights ~ 1 + 0.1 N(0, 1), so attention patterns, biases and norms
+matter (the script checks that each feature moves the logits by more than 1e-2).
 
-- `gqa_llama3/`: 3 layers, hidden 64, 8 query heads / 2 KV heads (GQA), head_dim 8,
-  intermediate 160, vocab 128, max_position_embeddings 2048, untied `lm_head`, rope_theta 5e5,
-  llama3 scaling
-  (factor 8, low/high_freq_factor 1/4, original_max_position_embeddings 256, chosen so the four
-  frequencies hit all three llama3 branches: kept, smoothed, divided by factor). `config.json` is
-  in the Hub / transformers-4.x layout: top-level `rope_theta` + `rope_scaling` dict. Single
+- `gqa_llama3/` (`LlamaForCausalLM`; {made_with("gqa_llama3")}): 3 layers, hidden 64, 8 query
+  heads / 2 KV heads (GQA), head_dim 8, intermediate 160, vocab 128, max_position_embeddings
+  2048, untied `lm_head`, rope_theta 5e5, llama3 scaling (factor 8, low/high_freq_factor 1/4,
+  original_max_position_embeddings 256, chosen so the four frequencies hit all three llama3
+  branches: kept, smoothed, divided by factor). `config.json` is in the Hub /
+  transformers-4.x layout: top-level `rope_theta` + `rope_scaling` dict. Single
   `model.safetensors`.
-- `tied_sharded/`: 2 layers, 4 heads / 4 KV heads, head_dim 16, rope_theta 1e4 (no scaling),
-  `tie_word_embeddings: true` (no `lm_head.weight` stored). Saved with max_shard_size
-  {FIXTURES["tied_sharded"]["max_shard_size"]} into {info["tied_sharded"]["shards"]} shards +
-  `model.safetensors.index.json`. `config.json` is left as transformers
-  {versions["transformers"]} writes it (RoPE settings in `rope_parameters`).
+- `tied_sharded/` (`LlamaForCausalLM`; {made_with("tied_sharded")}): 2 layers, 4 heads / 4 KV
+  heads, head_dim 16, rope_theta 1e4 (no scaling), `tie_word_embeddings: true` (no
+  `lm_head.weight` stored). Saved with max_shard_size
+  {FIXTURES["tied_sharded"]["max_shard_size"]} into {shards} shards +
+  `model.safetensors.index.json`. `config.json` is left as transformers writes it (RoPE
+  settings in `rope_parameters`).
+- The variants, 2 layers, 4 heads / 2 KV heads, head_dim 16, intermediate 96:
+  - `llama_bias/` (`LlamaForCausalLM`, `attention_bias: true`: q, k, v and o add a bias;
+    {made_with("llama_bias")});
+  - `qwen2_bias/` (`Qwen2ForCausalLM`: q, k and v add a bias, o does not; rope_theta 1e6;
+    {made_with("qwen2_bias")});
+  - `mistral_window/` (`MistralForCausalLM`, `sliding_window: 8`, shorter than the 24 tokens,
+    in every layer; {made_with("mistral_window")});
+  - `qwen2_window/` (`Qwen2ForCausalLM`, `use_sliding_window: true`, `sliding_window: 6`,
+    `max_window_layers: 1`: layer 0 full, layer 1 windowed; also q/k/v biases;
+    {made_with("qwen2_window")}).
 
 Regenerate (needs torch + transformers + safetensors, which are not project dependencies):
 
-    python scripts/make_llama_fixtures.py
+    python scripts/make_llama_fixtures.py [NAME ...]
 """
     (OUT / "README.md").write_text(readme)
 
@@ -301,4 +387,6 @@ Regenerate (needs torch + transformers + safetensors, which are not project depe
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(sys.argv[1:])
