@@ -570,10 +570,8 @@ def _validate_llama(m: ModelConfig) -> None:
     if not m.head_dim and m.d_embed % m.n_heads:
         raise ConfigError("model.n_heads", m.n_heads,
                           f"must divide model.d_embed ({m.d_embed}) unless model.head_dim is set")
-    from pdecomp.llama import ATTN
-
-    if odd := [n for n in m.attn_bias if n not in ATTN]:
-        raise ConfigError("model.attn_bias", odd[0], f"allowed: {', '.join(ATTN)}")
+    if odd := [n for n in m.attn_bias if n not in LLAMA_ATTN]:
+        raise ConfigError("model.attn_bias", odd[0], f"allowed: {', '.join(LLAMA_ATTN)}")
     _positive("model.sliding_window", m.sliding_window, zero_ok=True)
     if problem := rope_problem(m.rope_scaling):
         name, value, allowed = problem

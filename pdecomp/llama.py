@@ -31,10 +31,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
 from pdecomp.components import LinearFn, frozen_linear
+from pdecomp.config import LLAMA_ATTN as ATTN
+from pdecomp.config import LLAMA_MLP as MLP
 from pdecomp.config import ModelConfig, rope_problem
-
-ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 class CheckpointError(ValueError):
