@@ -369,6 +369,15 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
 
     `n_devices`: the devices the job has, where known (in the job, not for a deviceless
     gate, whose mesh is the planned hosts x GPUs)."""
+    for check in (_validate_model, _validate_layers, _validate_loss, _validate_optim,
+                  _validate_data):
+        check(cfg)
+    _validate_mesh(cfg, n_devices)
+    _validate_memory_and_gate(cfg)
+
+
+def _validate_model(cfg: RunConfig) -> None:
+    """The target: seeds, sizes, and a Llama's architecture or checkpoint."""
     m = cfg.model
     for key, seed in (("seed", cfg.seed), ("model.seed", m.seed)):
         if not 0 <= seed <= SEED_MAX:
@@ -386,6 +395,10 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
     if m.kind == "llama":
         _validate_llama(m)
 
+
+def _validate_layers(cfg: RunConfig) -> None:
+    """The sites, their C and ties, and the CI function."""
+    m = cfg.model
     known = site_names_of(m)
     lay = cfg.layers
     if not lay.sites:
@@ -418,6 +431,10 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
                               f"layers.ci_d_model ({lay.ci_d_model}) / heads must be an even "
                               "integer (RoPE rotates pairs)")
 
+
+def _validate_loss(cfg: RunConfig) -> None:
+    """The loss terms, their schedules and the recon plans."""
+    m, lay = cfg.model, cfg.layers
     lo = cfg.loss
     for key in ("faithfulness_coeff", "imp_min_coeff", "beta", "eps"):
         _positive(f"loss.{key}", getattr(lo, key), zero_ok=True)
@@ -456,6 +473,9 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
     if lo.distance == "mse" and m.kind == "llama":
         raise ConfigError("loss.distance", lo.distance, "a Llama's output distance is kl")
 
+
+def _validate_optim(cfg: RunConfig) -> None:
+    """The optimizers and the microbatches."""
     o = cfg.optim
     _positive("optim.steps", o.steps)
     _positive("optim.faith_warmup_steps", o.faith_warmup_steps, zero_ok=True)
@@ -475,6 +495,10 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
         _positive(f"optim.{group}.weight_decay", g.weight_decay, zero_ok=True)
         _positive(f"optim.{group}.clip_norm", g.clip_norm, zero_ok=True)
 
+
+def _validate_data(cfg: RunConfig) -> None:
+    """The data source and what the target reads."""
+    m = cfg.model
     d = cfg.data
     _positive("data.batch_size", d.batch_size)
     _positive("data.eval_batches", d.eval_batches)
@@ -491,6 +515,10 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
         raise ConfigError("data.path", d.path, f"data.source={d.source} needs a path")
     if d.source in ("tokens", "hf_dataset") and m.kind == "llama" and not cfg.gate.only:
         _validate_tokens(cfg)
+
+
+def _validate_mesh(cfg: RunConfig, n_devices: int | None) -> None:
+    """The mesh, against the planned devices and the job's own."""
     _choice("gate.target", cfg.gate.target, GATE_TARGETS)
     me = cfg.mesh
     _positive("mesh.data", me.data, zero_ok=True)
@@ -530,6 +558,9 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
         raise ConfigError("data.batch_size", cfg.data.batch_size,
                           f"must be divisible by the {where}{per_micro}")
 
+
+def _validate_memory_and_gate(cfg: RunConfig) -> None:
+    """The memory plan and the gate."""
     mem = cfg.memory
     _positive("memory.hbm_cap_gib", mem.hbm_cap_gib, zero_ok=True)
     if not 0.0 < mem.safety_fraction <= 1.0:
