@@ -360,6 +360,23 @@ def load_target(cfg: RunConfig, target_abs: Any, log: Callable[[str], None]
     return init(jax.random.PRNGKey(m.seed)), {"seed": m.seed}
 
 
+@dataclass
+class Gated:
+    """What the gate leaves for training: the mesh and shardings, the abstract target and
+    state, the compiled step and its report, and the config it was compiled for (its batch
+    size the one gate.fit=batch chose)."""
+
+    cfg: RunConfig
+    mesh: Mesh
+    batch_sharding: NamedSharding
+    target_abs: Any
+    state_abs: TrainState
+    compiled: Any
+    report: dict[str, Any]
+    init_key: Array
+    data_key: Array
+
+
 def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -> dict[str, Any]:
     """Run (or resume) the decomposition described by `cfg`; return the summary dict.
 
@@ -372,60 +389,74 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
     run_dir.mkdir(parents=True, exist_ok=True)
     write_config(cfg, run_dir)
 
-    # Mesh and shardings: the batch split on the data axis; target and state split on it too
-    # (mesh.shard_state, FSDP) or replicated.
+    g = gate(cfg, run_dir, hooks)
+    if g.cfg.gate.only:
+        return {"gate": g.report}
+    cfg = g.cfg
+    if jax.default_backend() == "cpu":
+        hardware.keep_freed_host_memory()
+    target, target_meta = load_target(cfg, g.target_abs, hooks.log)
+    ckpt = Checkpointer(run_dir / "checkpoints", writer=True)
+    state, start = initial_state(cfg, g, target, ckpt, hooks.log)
+    state, history = train(cfg, g, target, state, start, ckpt, run_dir, hooks)
+
+    summary = evaluate(cfg, target, state, run_dir, g.batch_sharding)
+    if cfg.logging.plots and history and is_main_process():
+        summary["plots/history"] = str(plots.plot_history(history, run_dir / "history.png"))
+    last = history[-1] if history else {}
+    summary.update({k: v for k, v in last.items() if k.startswith(("loss/", "perf/"))})
+    summary["steps"] = int(state.step)
+    summary["target/seed"] = target_meta.get("seed")
+    if calibrate(g.report, g.mesh):  # the whole run's peak, evaluation included
+        write_json(run_dir / "gate.json", g.report)
+        summary["hbm/predicted_over_measured"] = g.report["predicted_over_measured"]
+    write_json(run_dir / "summary.json", summary)
+    write_json(run_dir / "history.json", history)
+    return summary
+
+
+def gate(cfg: RunConfig, run_dir: Path, hooks: Hooks) -> Gated:
+    """The mesh, the abstract target and state in their shardings, and the gate: compile the
+    very step training runs, read its memory, compare to the cap (gate.json; GateRefused when
+    it does not fit). gate.fit=batch first searches the largest batch that fits."""
+    # The batch split on the data axis; target and state split on it too (mesh.shard_state,
+    # FSDP) or replicated.
     mesh = sharding.make_mesh(cfg)
     layout = sharding.make_layout(cfg, mesh)
     init_key, data_key = jax.random.split(jax.random.PRNGKey(cfg.seed))
-
-    # Abstract target and state, with their shardings.
     target_abs, state_abs = abstract_run(cfg, init_key)
     target_abs = sharding.place(target_abs, layout)
     state_abs = sharding.place(state_abs, layout, sharding.OFFLOADED
                                if cfg.memory.offload_opt_state else ())
     batch_sharding = NamedSharding(mesh, P(sharding.AXIS))
 
-    # The gate: compile the very step training runs, read its memory, compare to the cap.
     cap, cap_source, memory_env = gate_cap(cfg, mesh)
     step_fn = make_train_step(cfg, layout)
     # Host-memory (offload) buffers are not told apart in XLA's dump: offload compiles whole.
     detach = (hooks.detach_gate and cfg.gate.only and cfg.gate.fit == "none"
               and sharding.is_deviceless(cfg) and cfg.memory.remat != "offload")
+    where = {"cap_bytes": cap, "cap_source": cap_source, "target": target_name(cfg, mesh),
+             "mesh": dict(mesh.shape)}
+    extra = {"memory_env": memory_env} if memory_env else {}
 
     def parts_at(batch_size: int) -> dict[str, int]:
-        """The step's argument bytes per device by part, counted from shapes and shardings."""
-        return {"frozen target": gate_lib.tree_bytes(target_abs),
-                "components": gate_lib.tree_bytes(state_abs.components),
-                "ci function": gate_lib.tree_bytes(state_abs.ci_fn),
-                OPT_PART_HOST if cfg.memory.offload_opt_state else OPT_PART:
-                    gate_lib.tree_bytes((state_abs.comp_opt, state_abs.ci_opt)),
-                "adversary": gate_lib.tree_bytes(state_abs.adversary),
-                "step and key": gate_lib.tree_bytes((state_abs.step, state_abs.key)),
-                "batch": gate_lib.tree_bytes(batch_abstract(cfg, batch_size, batch_sharding))}
+        return argument_parts(cfg, target_abs, state_abs,
+                              batch_abstract(cfg, batch_size, batch_sharding))
 
     def floor_at(batch_size: int) -> dict[str, Any]:
         parts = parts_at(batch_size)
         # moments offloaded to the host are not device bytes on a GPU: left out of the bound
         device_bytes = sum(v for k, v in parts.items() if k != OPT_PART_HOST)
-        report = gate_lib.uncompiled_report(
-            argument_bytes=device_bytes, cap_bytes=cap, cap_source=cap_source,
-            target=target_name(cfg, mesh), mesh=dict(mesh.shape), parts=parts)
-        return {**report, "batch_size": batch_size,
-                **({"memory_env": memory_env} if memory_env else {})}
+        report = gate_lib.uncompiled_report(argument_bytes=device_bytes, parts=parts, **where)
+        return {**report, "batch_size": batch_size, **extra}
 
     def compile_at(batch_size: int):
-        batch_abs = batch_abstract(cfg, batch_size, batch_sharding)
-        parts = parts_at(batch_size)
         compiled, report = gate_lib.compile_and_report(
-            step_fn, (state_abs, target_abs, batch_abs),
+            step_fn, (state_abs, target_abs, batch_abstract(cfg, batch_size, batch_sharding)),
             donate_argnums=(0,) if cfg.memory.donate else (),
             out_shardings=(sharding.shardings(state_abs), NamedSharding(mesh, P())),
-            cap_bytes=cap, cap_source=cap_source, target=target_name(cfg, mesh),
-            mesh=dict(mesh.shape), parts=parts, top_temps=cfg.gate.top_temps,
-            detach=detach)
-        report["batch_size"] = batch_size
-        if memory_env:
-            report["memory_env"] = memory_env
+            parts=parts_at(batch_size), top_temps=cfg.gate.top_temps, detach=detach, **where)
+        report.update(batch_size=batch_size, **extra)
         if cfg.memory.offload_opt_state and sharding.is_deviceless(cfg):
             # Compile-only devices have no host memory space: jax drops the memory kind.
             report["note"] = ("memory.offload_opt_state: a deviceless compile has no host "
@@ -447,100 +478,126 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
         hooks.on_gate(report)
     if not report["fits"]:
         raise GateRefused(report)
-    if cfg.gate.only:
-        return {"gate": report}
+    return Gated(cfg, mesh, batch_sharding, target_abs, state_abs, compiled, report,
+                 init_key, data_key)
 
-    if jax.default_backend() == "cpu":
-        hardware.keep_freed_host_memory()
-    target, target_meta = load_target(cfg, target_abs, hooks.log)
-    sample = batch_sampler(cfg, batch_sharding, data_key)
 
-    # State: resume from the latest readable checkpoint, or initialise fresh.
-    ckpt = Checkpointer(run_dir / "checkpoints", writer=True)
-    state, start = ckpt.restore_latest(state_abs, hooks.log)
+def argument_parts(cfg: RunConfig, target_abs: Any, state_abs: TrainState, batch_abs: Any
+                   ) -> dict[str, int]:
+    """The step's argument bytes per device by part, counted from shapes and shardings."""
+    return {"frozen target": gate_lib.tree_bytes(target_abs),
+            "components": gate_lib.tree_bytes(state_abs.components),
+            "ci function": gate_lib.tree_bytes(state_abs.ci_fn),
+            OPT_PART_HOST if cfg.memory.offload_opt_state else OPT_PART:
+                gate_lib.tree_bytes((state_abs.comp_opt, state_abs.ci_opt)),
+            "adversary": gate_lib.tree_bytes(state_abs.adversary),
+            "step and key": gate_lib.tree_bytes((state_abs.step, state_abs.key)),
+            "batch": gate_lib.tree_bytes(batch_abs)}
+
+
+def initial_state(cfg: RunConfig, g: Gated, target: Any, ckpt: Checkpointer,
+                  log: Callable[[str], None]) -> tuple[TrainState, int]:
+    """The latest readable checkpoint and its step, or a fresh state (the components after
+    the faithfulness warmup) and 0."""
+    state, start = ckpt.restore_latest(g.state_abs, log)
     if start is not None:
-        hooks.log(f"resumed from checkpoint at step {start}")
-    else:
-        # The target goes in as an argument: closed over, it would be copied into the
-        # program as a constant, which a target split across processes cannot be.
-        state = jax.jit(lambda k, t: init_state(k, cfg, t),
-                        out_shardings=sharding.shardings(state_abs))(init_key, target)
-        components = jax.jit(lambda c, t: faithfulness_warmup(cfg, c, t),
-                             out_shardings=sharding.shardings(state_abs.components))(
-            state.components, target)
-        state = eqx.tree_at(lambda s: s.components, state, components)
-        start = 0
+        log(f"resumed from checkpoint at step {start}")
+        return state, start
+    # The target goes in as an argument: closed over, it would be copied into the program
+    # as a constant, which a target split across processes cannot be.
+    state = jax.jit(lambda k, t: init_state(k, cfg, t),
+                    out_shardings=sharding.shardings(g.state_abs))(g.init_key, target)
+    components = jax.jit(lambda c, t: faithfulness_warmup(cfg, c, t),
+                         out_shardings=sharding.shardings(g.state_abs.components))(
+        state.components, target)
+    return eqx.tree_at(lambda s: s.components, state, components), 0
 
-    # Train with the gated executable.
+
+def train(cfg: RunConfig, g: Gated, target: Any, state: TrainState, start: int,
+          ckpt: Checkpointer, run_dir: Path, hooks: Hooks
+          ) -> tuple[TrainState, list[dict[str, float]]]:
+    """Steps start..optim.steps of the gated executable, each followed by what is due at its
+    cadence: the metrics (every logging.log_every steps, the first and the last), the gate's
+    calibration (once, gate.calibrate_after steps in), progress, the stop check (every
+    logging.stop_check_every) and the checkpoint (every logging.ckpt_every, the last, a
+    stop). Returns the final state and the metrics history."""
+    sample = batch_sampler(cfg, g.batch_sharding, g.data_key)
     # With more simulated CPU devices than cores, in-flight steps can starve the collective
     # rendezvous of threads; waiting on each step avoids that.
-    sync_each = jax.default_backend() == "cpu" and mesh.size > 1
-    steps, log_every = cfg.optim.steps, cfg.logging.log_every
+    sync_each = jax.default_backend() == "cpu" and g.mesh.size > 1
+    steps = cfg.optim.steps
     ckpt_every = cfg.logging.ckpt_every or steps
-    history: list[dict[str, float]] = []
-    last: dict[str, float] = {}
-    if start and (run_dir / "history.json").exists():  # keep what the first attempt logged
-        history = [h for h in json.loads((run_dir / "history.json").read_text())
-                   if h["step"] <= start]
-        last = dict(history[-1]) if history else {}
-    t_log = time.perf_counter()
+    log = MetricsLog.resume(run_dir, start)
     for i in range(start, steps):
-        batch = sample(i)
-        state, m = compiled(state, target, batch)
+        state, m = g.compiled(state, target, sample(i))
         if sync_each:
             jax.block_until_ready(m)
         done = i + 1
-        if done % log_every == 0 or done == steps or done == 1:  # step 1: where it started
-            last = {k: float(v) for k, v in m.items()}
-            if not all(math.isfinite(v) for v in last.values()):
-                ckpt.wait()  # a save in flight counts once it is complete
-                saved = ckpt.steps_newest_first()
-                ckpt.close()
-                kept = (f"the last checkpoint, step {saved[0]} in {ckpt.directory}, is intact"
-                        if saved else "no checkpoint was written before it")
-                raise NonFiniteLoss(f"non-finite loss at step {done}: {last}; {kept}")
-            now = time.perf_counter()
-            n_steps = done - max(history[-1]["step"] if history else 0, start)
-            last["perf/step_s"] = (now - t_log) / n_steps
-            last["perf/examples_per_s"] = cfg.data.batch_size / last["perf/step_s"]
-            if cfg.model.kind == "llama":
-                last["perf/tokens_per_s"] = last["perf/examples_per_s"] * cfg.data.seq_len
-            t_log = now
-            last["hbm/predicted_peak_gib"] = report["peak_bytes"] / GiB
-            if measured := measured_memory(mesh):
-                last["hbm/peak_gib"], last["hbm/in_use_gib"] = (b / GiB for b in measured)
-            history.append({"step": done, **last})
+        if done % cfg.logging.log_every == 0 or done == steps or done == 1:  # 1: the start
+            log.record(cfg, g, done, m, ckpt)
             if hooks.on_metrics:
-                hooks.on_metrics(done, last)
-        if done == start + cfg.gate.calibrate_after and calibrate(report, mesh):
-            write_json(run_dir / "gate.json", report)
+                hooks.on_metrics(done, log.last)
+        if done == start + cfg.gate.calibrate_after and calibrate(g.report, g.mesh):
+            write_json(run_dir / "gate.json", g.report)
             if hooks.on_metrics:
                 hooks.on_metrics(done, {
-                    "hbm/measured_peak_gib": report["measured_peak_bytes"] / GiB,
-                    "hbm/predicted_over_measured": report["predicted_over_measured"]})
+                    "hbm/measured_peak_gib": g.report["measured_peak_bytes"] / GiB,
+                    "hbm/predicted_over_measured": g.report["predicted_over_measured"]})
         if hooks.progress:
-            hooks.progress(done, steps, last)
+            hooks.progress(done, steps, log.last)
         stop = (hooks.should_stop is not None and done % cfg.logging.stop_check_every == 0
                 and any_process(hooks.should_stop()))
         if done % ckpt_every == 0 or done == steps or stop:
-            checkpoint(ckpt, run_dir, done, state, history)
+            checkpoint(ckpt, run_dir, done, state, log.history)
         if stop and done < steps:
             ckpt.close()  # waits until the checkpoint is complete on disk
             raise Interrupted(done, ckpt.directory)
     ckpt.close()
+    return state, log.history
 
-    summary = evaluate(cfg, target, state, run_dir, batch_sharding)
-    if cfg.logging.plots and history and is_main_process():
-        summary["plots/history"] = str(plots.plot_history(history, run_dir / "history.png"))
-    summary.update({k: v for k, v in last.items() if k.startswith(("loss/", "perf/"))})
-    summary["steps"] = int(state.step)
-    summary["target/seed"] = target_meta.get("seed")
-    if calibrate(report, mesh):  # the whole run's peak, evaluation included
-        write_json(run_dir / "gate.json", report)
-        summary["hbm/predicted_over_measured"] = report["predicted_over_measured"]
-    write_json(run_dir / "summary.json", summary)
-    write_json(run_dir / "history.json", history)
-    return summary
+
+@dataclass
+class MetricsLog:
+    """The logged metrics: every logged step's, in order (history.json), and the latest."""
+
+    history: list[dict[str, float]]
+    last: dict[str, float]
+    start: int
+    t_log: float
+
+    @staticmethod
+    def resume(run_dir: Path, start: int) -> MetricsLog:
+        """What the first attempt logged up to `start`, the step a resume starts from."""
+        history: list[dict[str, float]] = []
+        if start and (run_dir / "history.json").exists():
+            history = [h for h in json.loads((run_dir / "history.json").read_text())
+                       if h["step"] <= start]
+        return MetricsLog(history, dict(history[-1]) if history else {}, start,
+                          time.perf_counter())
+
+    def record(self, cfg: RunConfig, g: Gated, done: int, m: dict[str, Array],
+               ckpt: Checkpointer) -> None:
+        """Step `done`'s metrics with its speed and memory; NonFiniteLoss on a NaN or inf."""
+        last = {k: float(v) for k, v in m.items()}
+        if not all(math.isfinite(v) for v in last.values()):
+            ckpt.wait()  # a save in flight counts once it is complete
+            saved = ckpt.steps_newest_first()
+            ckpt.close()
+            kept = (f"the last checkpoint, step {saved[0]} in {ckpt.directory}, is intact"
+                    if saved else "no checkpoint was written before it")
+            raise NonFiniteLoss(f"non-finite loss at step {done}: {last}; {kept}")
+        now = time.perf_counter()
+        n_steps = done - max(self.history[-1]["step"] if self.history else 0, self.start)
+        last["perf/step_s"] = (now - self.t_log) / n_steps
+        last["perf/examples_per_s"] = cfg.data.batch_size / last["perf/step_s"]
+        if cfg.model.kind == "llama":
+            last["perf/tokens_per_s"] = last["perf/examples_per_s"] * cfg.data.seq_len
+        self.t_log = now
+        last["hbm/predicted_peak_gib"] = g.report["peak_bytes"] / GiB
+        if measured := measured_memory(g.mesh):
+            last["hbm/peak_gib"], last["hbm/in_use_gib"] = (b / GiB for b in measured)
+        self.history.append({"step": done, **last})
+        self.last = last
 
 
 def checkpoint(ckpt: Checkpointer, run_dir: Path, step: int, state: TrainState,
