@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -276,266 +276,319 @@ class Observed(NamedTuple):
     recon_target: Array
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """What a step needs that its config fixes, resolved once before tracing: the static
+    spec, the two optimizers, the output distance, the compute dtype, the recon forwards'
+    remat policy, the adversary's learning rate, the tie map, and where the layout pins
+    [*pos, C] tensors and the optimizer moments."""
+
+    cfg: RunConfig
+    spec: StepSpec
+    comp_opt: optax.GradientTransformation
+    ci_opt: optax.GradientTransformation
+    distance: Callable[[Array, Array], Array]
+    dtype: jnp.dtype
+    policy: Callable | None | bool
+    lr_pgd: optax.Schedule | None
+    tied: dict[str, str]
+    pin: Callable[[Array], Array]
+    to_device: Callable
+    to_host: Callable
+
+    @staticmethod
+    def resolve(cfg: RunConfig, layout: Layout | None = None) -> StepPlan:
+        spec = StepSpec.from_config(cfg)
+        pin = layout.constrain_positions if layout is not None else (lambda x: x)
+        if cfg.memory.offload_opt_state:
+            if layout is None:
+                raise ValueError("memory.offload_opt_state needs the step's layout")
+            to_device = partial(move, layout=layout, memory_kind=DEVICE)
+            to_host = partial(move, layout=layout, memory_kind=HOST)
+        else:
+            to_device = to_host = lambda tree: tree
+        return StepPlan(
+            cfg, spec, optimizer(cfg.optim.components, cfg.optim.steps),
+            optimizer(cfg.optim.ci_fn, cfg.optim.steps), losses.DISTANCES[spec.distance],
+            jnp.dtype(spec.compute_dtype), remat_policy(spec.remat, spec.remat_names),
+            pgd_lr(spec.pgd, spec.total_steps) if spec.pgd else None, dict(spec.tied), pin,
+            to_device, to_host)
+
+
 def make_train_step(cfg: RunConfig, layout: Layout | None = None) -> Callable:
     """The pure train step for `cfg`: (state, target, batch) -> (state, metrics). With a
     `layout`, every [*pos, C] tensor is pinned to its batch-on-data, C-on-model sharding."""
-    spec = StepSpec.from_config(cfg)
-    comp_opt = optimizer(cfg.optim.components, cfg.optim.steps)
-    ci_opt = optimizer(cfg.optim.ci_fn, cfg.optim.steps)
-    distance = losses.DISTANCES[spec.distance]
-    dtype = jnp.dtype(spec.compute_dtype)
-    threshold = cfg.loss.ci_threshold
-    policy = remat_policy(spec.remat, spec.remat_names)
-    lr_pgd = pgd_lr(spec.pgd, spec.total_steps) if spec.pgd else None
-    tied = dict(spec.tied)
-    n_micro = spec.microbatches
-    pin = layout.constrain_positions if layout is not None else (lambda x: x)
-    if cfg.memory.offload_opt_state:
-        if layout is None:
-            raise ValueError("memory.offload_opt_state needs the step's layout")
-        to_device = partial(move, layout=layout, memory_kind=DEVICE)
-        to_host = partial(move, layout=layout, memory_kind=HOST)
-    else:
-        to_device = to_host = lambda tree: tree
+    plan = StepPlan.resolve(cfg, layout)
 
     def train_step(state: TrainState, target, batch: Array) -> tuple[TrainState, dict]:
-        key, step_key = jax.random.split(state.key)
-        prefix, suffix = target.split(spec.sites, dtype, spec.remat_layers)
-        weights = target.site_weights()
-        p = losses.p_at(state.step, spec.total_steps, *spec.p)
-
-        # 1. Outside every gradient graph: the residual start, then the clean forward,
-        # which gives the recon target and the CI function's inputs.
-        def observe(batch: Array) -> Observed:
-            resid = jax.lax.stop_gradient(prefix(batch))
-            recorded: dict[str, Array] = {}
-            streams: dict[int, Array] = {}
-            clean = suffix(resid, recording_linear(recorded), streams=streams)
-            return jax.lax.stop_gradient(Observed(
-                resid, {s: recorded[s] for s in spec.sites}, streams,
-                losses.recon_target(spec.distance, clean)))
-
-        # Microbatch m holds examples m, m + n, m + 2n, ...: every device keeps its own rows.
-        # Each pass over the batch runs one compiled body per microbatch, re-running the
-        # clean forward rather than keeping n of them; with one microbatch the clean forward
-        # runs once and every pass reads it.
-        def microbatch(x: Array, m: Array) -> Array:
-            return x.reshape(x.shape[0] // n_micro, n_micro, *x.shape[1:])[:, m]
-
-        whole = observe(batch) if n_micro == 1 else None
-        some = whole if whole is not None else jax.eval_shape(
-            lambda: observe(microbatch(batch, 0)))
-        pos = next(iter(some.site_inputs.values())).shape[:-1]  # a microbatch's positions
-        n_pos = math.prod(pos) * n_micro
-
-        def over_microbatches(body: Callable, carry, prepare: Callable = lambda o: o,
-                              prepared=None):
-            """carry = body(carry, prepare(observed), m, positions) for every microbatch;
-            `prepared`: prepare(whole) already computed (one microbatch)."""
-            if n_micro == 1:
-                return body(carry, prepare(whole) if prepared is None else prepared, 0, None)
-
-            def scan_body(carry, m):
-                at = Positions.microbatch((pos[0] * n_micro, *pos[1:]), n_micro, m)
-                return body(carry, prepare(observe(microbatch(batch, m))), m, at), None
-
-            return jax.lax.scan(scan_body, carry, jnp.arange(n_micro))[0]
-
-        def source_rows(src: Array, m) -> Array:
-            """A per-example source's rows for microbatch m; shared ones as they are."""
-            return src if n_micro == 1 or src.shape[0] == 1 else microbatch(src, m)
-
-        def site_lower(ci, live, components) -> dict[str, Array]:
-            """ci_lower of the live sites: read from `ci` (a dict of every site's), or, when
-            the step streams its CI, recomputed from `ci` = (CI function, its features)."""
-            if isinstance(ci, dict):
-                return {s: ci[s] for s in live}
-            ci_fn, features = ci
-            return {s: ci_lower(pin(ci_fn.site_logits(features, s, components))) for s in live}
-
-        # A recon forward samples its masks inside the rematerialized function, so the
-        # backward redraws them from their key instead of keeping them for every forward.
-        def recon_distance(live, source, routing, components, deltas, ci, key, obs, at):
-            lower = site_lower(ci, live, components)
-            masks = sample_forward_masks(key, live, source, routing, lower, spec.delta, at)
-            masks = {s: m._replace(mask=pin(m.mask)) for s, m in masks.items()}
-            out = suffix(obs.resid, masked_linear(components, masks, deltas),
-                         streams=obs.streams, live=tuple(masks))
-            return distance(out, obs.recon_target)
-
-        def pgd_distance(components, deltas, ci, sources, obs):
-            lower = site_lower(ci, tuple(sources), components)
-            masks = masks_from_sources(lower, sources, {s: None for s in sources}, spec.delta)
-            out = suffix(obs.resid, masked_linear(components, masks, deltas),
-                         streams=obs.streams, live=tuple(masks))
-            return distance(out, obs.recon_target)
-
-        if policy is not False:  # rematerialize: the backward reruns each forward
-            recon_distance = jax.checkpoint(recon_distance, policy=policy,
-                                            static_argnums=(0, 1, 2))
-            pgd_distance = jax.checkpoint(pgd_distance, policy=policy)
-
-        def l0_of(lower: Array) -> Array:
-            return jnp.mean(jnp.sum(lower > threshold, axis=-1).astype(jnp.float32))
-
-        def site_sums(ci_fn, features, components, s):
-            """One site's imp-min sums S_c and L0, its logits gone once they are taken
-            (rematerialized: the backward recomputes them)."""
-            logits = pin(ci_fn.site_logits(features, s, components))
-            S = losses.importance_sums({s: ci_upper(logits)}, p, spec.eps)[s]
-            return S, jax.lax.stop_gradient(l0_of(ci_lower(logits)))
-
-        if spec.stream_ci:
-            site_sums = jax.checkpoint(site_sums, static_argnums=(3,))
-
-        def add(acc, x):  # a running sum over microbatches (None: the first)
-            return x if acc is None else jax.tree.map(jnp.add, acc, x)
-
-        def zeros_like(tree):
-            return None if n_micro == 1 else jax.tree.map(jnp.zeros_like, tree)
-
-        # The weight deltas W − V@U are shared by every forward and by faithfulness: computed
-        # once, their gradient summed over the microbatches, then pulled back through V@U.
-        stepped = optimized_components(cfg, state.components)
-        deltas, deltas_vjp = jax.vjp(
-            lambda c: weight_deltas(weights, with_tied(c, tied)), stepped)
-        faith, g_faith = jax.value_and_grad(losses.faithfulness)(deltas)
-
-        # 2'. Imp-min's log term needs S_c over the whole batch: with microbatches, a first
-        # pass sums them, and each microbatch's backward then takes dI/dS_c as a constant
-        # (exact: I depends on the batch only through the S_c).
-        imp_grad = None
-        if n_micro > 1:
-            comps = jax.lax.stop_gradient(with_tied(state.components, tied))
-
-            def sums(acc, obs, m, at):
-                if spec.stream_ci:  # one site's logits at a time
-                    features = state.ci_fn.features(obs.site_inputs)
-                    S = {s: site_sums(state.ci_fn, features, comps, s)[0] for s in spec.sites}
-                else:
-                    upper = {s: ci_upper(v)
-                             for s, v in state.ci_fn(obs.site_inputs, comps).items()}
-                    S = losses.importance_sums(upper, p, spec.eps)
-                return jax.tree.map(jnp.add, acc, S)
-
-            S = over_microbatches(sums, {s: jnp.zeros((c,), jnp.float32)
-                                         for s, c in site_C(cfg).items()})
-            imp_value, imp_grad = jax.value_and_grad(losses.importance_from_sums)(
-                S, n_pos, spec.beta)
-
-        # 3. The adversary's warmup ascents, against detached components and CI (a loop,
-        # not unrolled: one compiled ascent however many there are), each on the gradient
-        # of the whole batch.
-        adversary = state.adversary
-        if spec.pgd:
-            lr = lr_pgd(state.step)
-            comps = jax.lax.stop_gradient(with_tied(state.components, tied))
-            fixed_deltas = jax.lax.stop_gradient(deltas)
-
-            def detached(obs):
-                if spec.stream_ci:
-                    return obs, (state.ci_fn, jax.lax.stop_gradient(
-                        state.ci_fn.features(obs.site_inputs)))
-                return obs, jax.lax.stop_gradient(
-                    {s: ci_lower(v) for s, v in state.ci_fn(obs.site_inputs, comps).items()})
-
-            prepared = detached(whole) if n_micro == 1 else None
-
-            def warmup_ascent(_, adv):
-                def grad_of(acc, inputs, m, at):
-                    obs, ci = inputs
-                    g = jax.grad(lambda src: pgd_distance(
-                        comps, fixed_deltas, ci,
-                        {s: source_rows(v, m) for s, v in src.items()}, obs))(adv.sources)
-                    return add(acc, jax.tree.map(lambda x: x / n_micro, g))
-
-                g = over_microbatches(grad_of, zeros_like(adv.sources), detached, prepared)
-                return ascend(adv, g, lr, spec.pgd.optimizer)
-
-            adversary = jax.lax.fori_loop(0, spec.pgd.n_warmup, warmup_ascent, adversary)
-
-        def loss_fn(params, obs, m, at):
-            stepped_components, ci_fn, sources, deltas = params
-            # Shared tied update: the followers are built here, so both sites' gradients
-            # sum on the owned parameters. Per-site: they came in with the stepped
-            # components (optimized_components), with gradients of their own.
-            components = with_tied(stepped_components, tied)
-            # 2. Causal importances, and imp-min's sums and the L0s from them.
-            features = ci_fn.features(obs.site_inputs, spec.remat_layers)
-            if spec.stream_ci:
-                ci = (ci_fn, features)
-                S, l0 = {}, {}
-                for s in spec.sites:
-                    S[s], l0[s] = site_sums(ci_fn, features, components, s)
-            else:
-                logits = {s: pin(ci_fn.site_logits(features, s, components))
-                          for s in spec.sites}
-                ci = {s: ci_lower(v) for s, v in logits.items()}
-                S = losses.importance_sums({s: ci_upper(v) for s, v in logits.items()},
-                                           p, spec.eps)
-                l0 = {s: l0_of(v) for s, v in ci.items()}
-            # 4. Losses: this microbatch's share of the batch means.
-            if imp_grad is None:
-                imp = losses.importance_from_sums(S, n_pos, spec.beta)
-                terms = {"imp_min": imp}
-            else:
-                imp = sum(jnp.sum(imp_grad[s] * S[s]) for s in S)
-                terms = {}
-            total = spec.imp_coeff * imp
-            term_keys = jax.random.split(step_key, max(len(spec.recon), 1))
-            for term, term_key in zip(spec.recon, term_keys):
-                fwd_keys = jax.random.split(term_key, len(term.plan))
-                ds = [recon_distance(live, term.source, term.routing, components, deltas,
-                                     ci, fwd_key, obs, at)
-                      for live, fwd_key in zip(term.plan, fwd_keys)]
-                terms[f"recon_{term.name}"] = sum(ds) / len(ds) / n_micro
-                total = total + term.coeff * terms[f"recon_{term.name}"]
-            if spec.pgd:
-                terms["pgd"] = pgd_distance(
-                    components, deltas, ci,
-                    {s: source_rows(v, m) for s, v in sources.items()}, obs) / n_micro
-                total = total + spec.pgd.coeff * terms["pgd"]
-            return total, (terms, {s: v / n_micro for s, v in l0.items()})
-
-        sources = adversary.sources if adversary is not None else None
-        params = (stepped, state.ci_fn, sources, deltas)
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-
-        def accumulate(acc, obs, m, at):
-            (_, aux), g = grad_fn(params, obs, m, at)
-            return add(acc, (g, aux))
-
-        zero = jnp.zeros((), jnp.float32)
-        aux = ({**{f"recon_{t.name}": zero for t in spec.recon}, **({"pgd": zero} if spec.pgd
-                                                                    else {})},
-               {s: zero for s in spec.sites})
-        init = zeros_like((params, aux))
-        (g_comp, g_ci, g_src, g_deltas), (terms, l0) = over_microbatches(accumulate, init)
-        # Faithfulness and every forward's gradient on the deltas, pulled back through V@U.
-        g_deltas = jax.tree.map(lambda a, b: a + spec.faith_coeff * b, g_deltas, g_faith)
-        g_comp = jax.tree.map(jnp.add, g_comp, deltas_vjp(g_deltas)[0])
-        terms = {"faithfulness": faith,
-                 "imp_min": terms.pop("imp_min") if imp_grad is None else imp_value, **terms}
-        terms["total"] = (spec.faith_coeff * faith + spec.imp_coeff * terms["imp_min"]
-                          + sum(t.coeff * terms[f"recon_{t.name}"] for t in spec.recon)
-                          + (spec.pgd.coeff * terms["pgd"] if spec.pgd else 0.0))
-        # 5. Separate optimizers: components clipped and scheduled apart from the CI fn; the
-        # sources ascend on their own gradient, unscaled by the term's coefficient. Offloaded
-        # moments come to the device only now, after the backward, and go back to the host.
-        comp_moments, ci_moments = to_device((state.comp_opt, state.ci_opt))
-        upd, comp_state = comp_opt.update(g_comp, comp_moments, stepped)
-        components = apply_component_updates(cfg, state.components, upd)
-        upd, ci_state = ci_opt.update(g_ci, ci_moments, state.ci_fn)
-        ci_fn = optax.apply_updates(state.ci_fn, upd)
-        comp_state, ci_state = to_host((comp_state, ci_state))
-        if spec.pgd:
-            g_src = jax.tree.map(lambda g: g / spec.pgd.coeff, g_src)
-            adversary = ascend(adversary, g_src, lr, spec.pgd.optimizer)
-        metrics = {**{f"loss/{k}": v for k, v in terms.items()},
-                   **{f"train/l0/{s}": v for s, v in l0.items()},
-                   "train/p": p, "train/grad_norm/components": optax.tree.norm(g_comp)}
-        new = TrainState(step=state.step + 1, components=components, ci_fn=ci_fn,
-                         comp_opt=comp_state, ci_opt=ci_state, adversary=adversary, key=key)
-        return new, metrics
+        return step(plan, state, target, batch)
 
     return train_step
+
+
+def step(plan: StepPlan, state: TrainState, target, batch: Array) -> tuple[TrainState, dict]:
+    """One step (the module's docstring numbers its parts)."""
+    spec, tied = plan.spec, plan.tied
+    key, step_key = jax.random.split(state.key)
+    ps = Pass(plan, state, target, batch)
+
+    # The weight deltas W − V@U are shared by every forward and by faithfulness: computed
+    # once, their gradient summed over the microbatches, then pulled back through V@U.
+    stepped = optimized_components(plan.cfg, state.components)
+    deltas, deltas_vjp = jax.vjp(
+        lambda c: weight_deltas(ps.weights, with_tied(c, tied)), stepped)
+    faith, g_faith = jax.value_and_grad(losses.faithfulness)(deltas)
+
+    # 2'. Imp-min's log term needs S_c over the whole batch: with microbatches, a first
+    # pass sums them, and each microbatch's backward then takes dI/dS_c as a constant
+    # (exact: I depends on the batch only through the S_c).
+    imp_value, imp_grad = importance_over_batch(ps) if ps.n_micro > 1 else (None, None)
+
+    # 3. The adversary's warmup ascents.
+    adversary, lr = state.adversary, None
+    if spec.pgd:
+        lr = plan.lr_pgd(state.step)
+        adversary = warmup_ascents(ps, deltas, lr)
+
+    sources = adversary.sources if adversary is not None else None
+    params = (stepped, state.ci_fn, sources, deltas)
+    grad_fn = jax.value_and_grad(partial(loss_fn, ps, imp_grad, step_key), has_aux=True)
+
+    def accumulate(acc, obs, m, at):
+        (_, aux), g = grad_fn(params, obs, m, at)
+        return ps.add(acc, (g, aux))
+
+    zero = jnp.zeros((), jnp.float32)
+    aux = ({**{f"recon_{t.name}": zero for t in spec.recon}, **({"pgd": zero} if spec.pgd
+                                                                else {})},
+           {s: zero for s in spec.sites})
+    init = ps.zeros_like((params, aux))
+    (g_comp, g_ci, g_src, g_deltas), (terms, l0) = ps.over_microbatches(accumulate, init)
+    # Faithfulness and every forward's gradient on the deltas, pulled back through V@U.
+    g_deltas = jax.tree.map(lambda a, b: a + spec.faith_coeff * b, g_deltas, g_faith)
+    g_comp = jax.tree.map(jnp.add, g_comp, deltas_vjp(g_deltas)[0])
+    terms = {"faithfulness": faith,
+             "imp_min": terms.pop("imp_min") if imp_grad is None else imp_value, **terms}
+    terms["total"] = (spec.faith_coeff * faith + spec.imp_coeff * terms["imp_min"]
+                      + sum(t.coeff * terms[f"recon_{t.name}"] for t in spec.recon)
+                      + (spec.pgd.coeff * terms["pgd"] if spec.pgd else 0.0))
+    # 5. Separate optimizers: components clipped and scheduled apart from the CI fn; the
+    # sources ascend on their own gradient, unscaled by the term's coefficient. Offloaded
+    # moments come to the device only now, after the backward, and go back to the host.
+    comp_moments, ci_moments = plan.to_device((state.comp_opt, state.ci_opt))
+    upd, comp_state = plan.comp_opt.update(g_comp, comp_moments, stepped)
+    components = apply_component_updates(plan.cfg, state.components, upd)
+    upd, ci_state = plan.ci_opt.update(g_ci, ci_moments, state.ci_fn)
+    ci_fn = optax.apply_updates(state.ci_fn, upd)
+    comp_state, ci_state = plan.to_host((comp_state, ci_state))
+    if spec.pgd:
+        g_src = jax.tree.map(lambda g: g / spec.pgd.coeff, g_src)
+        adversary = ascend(adversary, g_src, lr, spec.pgd.optimizer)
+    metrics = {**{f"loss/{k}": v for k, v in terms.items()},
+               **{f"train/l0/{s}": v for s, v in l0.items()},
+               "train/p": ps.p, "train/grad_norm/components": optax.tree.norm(g_comp)}
+    new = TrainState(step=state.step + 1, components=components, ci_fn=ci_fn,
+                     comp_opt=comp_state, ci_opt=ci_state, adversary=adversary, key=key)
+    return new, metrics
+
+
+class Pass:
+    """One step's view of its batch: the clean forward (1), the loop over microbatches that
+    every pass over the batch runs, and the forwards the terms measure."""
+
+    def __init__(self, plan: StepPlan, state: TrainState, target, batch: Array):
+        self.plan, self.spec, self.state, self.batch = plan, plan.spec, state, batch
+        self.n_micro = plan.spec.microbatches
+        self.prefix, self.suffix = target.split(self.spec.sites, plan.dtype,
+                                                self.spec.remat_layers)
+        self.weights = target.site_weights()
+        self.p = losses.p_at(state.step, self.spec.total_steps, *self.spec.p)
+        # With one microbatch the clean forward runs once and every pass reads it.
+        self.whole = self.observe(batch) if self.n_micro == 1 else None
+        some = self.whole if self.whole is not None else jax.eval_shape(
+            lambda: self.observe(self.microbatch(batch, 0)))
+        self.pos = next(iter(some.site_inputs.values())).shape[:-1]  # a microbatch's positions
+        self.n_pos = math.prod(self.pos) * self.n_micro
+        # A recon forward samples its masks inside the rematerialized function, so the
+        # backward redraws them from their key instead of keeping them for every forward.
+        if plan.policy is not False:  # rematerialize: the backward reruns each forward
+            self.recon_distance = jax.checkpoint(self.recon_distance, policy=plan.policy,
+                                                 static_argnums=(0, 1, 2))
+            self.pgd_distance = jax.checkpoint(self.pgd_distance, policy=plan.policy)
+        if self.spec.stream_ci:
+            self.site_sums = jax.checkpoint(self.site_sums, static_argnums=(3,))
+
+    def observe(self, batch: Array) -> Observed:
+        """Outside every gradient graph: the residual start, then the clean forward, which
+        gives the recon target and the CI function's inputs."""
+        resid = jax.lax.stop_gradient(self.prefix(batch))
+        recorded: dict[str, Array] = {}
+        streams: dict[int, Array] = {}
+        clean = self.suffix(resid, recording_linear(recorded), streams=streams)
+        return jax.lax.stop_gradient(Observed(
+            resid, {s: recorded[s] for s in self.spec.sites}, streams,
+            losses.recon_target(self.spec.distance, clean)))
+
+    def microbatch(self, x: Array, m: Array | int) -> Array:
+        """Microbatch m holds examples m, m + n, m + 2n, ...: every device keeps its rows."""
+        return x.reshape(x.shape[0] // self.n_micro, self.n_micro, *x.shape[1:])[:, m]
+
+    def over_microbatches(self, body: Callable, carry, prepare: Callable = lambda o: o,
+                          prepared=None):
+        """carry = body(carry, prepare(observed), m, positions) for every microbatch;
+        `prepared`: prepare(whole) already computed (one microbatch). Each pass runs one
+        compiled body per microbatch, re-running the clean forward rather than keeping n."""
+        if self.n_micro == 1:
+            return body(carry, prepare(self.whole) if prepared is None else prepared, 0, None)
+        pos, n = self.pos, self.n_micro
+
+        def scan_body(carry, m):
+            at = Positions.microbatch((pos[0] * n, *pos[1:]), n, m)
+            return body(carry, prepare(self.observe(self.microbatch(self.batch, m))), m,
+                        at), None
+
+        return jax.lax.scan(scan_body, carry, jnp.arange(n))[0]
+
+    def source_rows(self, src: Array, m) -> Array:
+        """A per-example source's rows for microbatch m; shared ones as they are."""
+        return src if self.n_micro == 1 or src.shape[0] == 1 else self.microbatch(src, m)
+
+    def site_lower(self, ci, live, components) -> dict[str, Array]:
+        """ci_lower of the live sites: read from `ci` (a dict of every site's), or, when the
+        step streams its CI, recomputed from `ci` = (CI function, its features)."""
+        if isinstance(ci, dict):
+            return {s: ci[s] for s in live}
+        ci_fn, features = ci
+        return {s: ci_lower(self.plan.pin(ci_fn.site_logits(features, s, components)))
+                for s in live}
+
+    def recon_distance(self, live, source, routing, components, deltas, ci, key, obs, at):
+        lower = self.site_lower(ci, live, components)
+        masks = sample_forward_masks(key, live, source, routing, lower, self.spec.delta, at)
+        masks = {s: m._replace(mask=self.plan.pin(m.mask)) for s, m in masks.items()}
+        out = self.suffix(obs.resid, masked_linear(components, masks, deltas),
+                          streams=obs.streams, live=tuple(masks))
+        return self.plan.distance(out, obs.recon_target)
+
+    def pgd_distance(self, components, deltas, ci, sources, obs):
+        lower = self.site_lower(ci, tuple(sources), components)
+        masks = masks_from_sources(lower, sources, {s: None for s in sources},
+                                   self.spec.delta)
+        out = self.suffix(obs.resid, masked_linear(components, masks, deltas),
+                          streams=obs.streams, live=tuple(masks))
+        return self.plan.distance(out, obs.recon_target)
+
+    def l0_of(self, lower: Array) -> Array:
+        threshold = self.plan.cfg.loss.ci_threshold
+        return jnp.mean(jnp.sum(lower > threshold, axis=-1).astype(jnp.float32))
+
+    def site_sums(self, ci_fn, features, components, s):
+        """One site's imp-min sums S_c and L0, its logits gone once they are taken
+        (streamed: rematerialized, the backward recomputes them)."""
+        logits = self.plan.pin(ci_fn.site_logits(features, s, components))
+        S = losses.importance_sums({s: ci_upper(logits)}, self.p, self.spec.eps)[s]
+        return S, jax.lax.stop_gradient(self.l0_of(ci_lower(logits)))
+
+    def add(self, acc, x):  # a running sum over microbatches (None: the first)
+        return x if acc is None else jax.tree.map(jnp.add, acc, x)
+
+    def zeros_like(self, tree):
+        return None if self.n_micro == 1 else jax.tree.map(jnp.zeros_like, tree)
+
+
+def importance_over_batch(ps: Pass) -> tuple[Array, dict[str, Array]]:
+    """Imp-min's value over the whole batch and its gradient in each site's sums S_c: a
+    first pass over the microbatches sums them (components and CI function detached)."""
+    spec, state = ps.spec, ps.state
+    comps = jax.lax.stop_gradient(with_tied(state.components, ps.plan.tied))
+
+    def sums(acc, obs, m, at):
+        if spec.stream_ci:  # one site's logits at a time
+            features = state.ci_fn.features(obs.site_inputs)
+            S = {s: ps.site_sums(state.ci_fn, features, comps, s)[0] for s in spec.sites}
+        else:
+            upper = {s: ci_upper(v) for s, v in state.ci_fn(obs.site_inputs, comps).items()}
+            S = losses.importance_sums(upper, ps.p, spec.eps)
+        return jax.tree.map(jnp.add, acc, S)
+
+    S = ps.over_microbatches(sums, {s: jnp.zeros((c,), jnp.float32)
+                                    for s, c in site_C(ps.plan.cfg).items()})
+    return jax.value_and_grad(losses.importance_from_sums)(S, ps.n_pos, spec.beta)
+
+
+def warmup_ascents(ps: Pass, deltas: Any, lr: Array) -> Adversary:
+    """The adversary after its warmup ascents, against detached components and CI (a loop,
+    not unrolled: one compiled ascent however many there are), each on the gradient of the
+    whole batch."""
+    spec, state, n_micro = ps.spec, ps.state, ps.n_micro
+    comps = jax.lax.stop_gradient(with_tied(state.components, ps.plan.tied))
+    fixed_deltas = jax.lax.stop_gradient(deltas)
+
+    def detached(obs):
+        if spec.stream_ci:
+            return obs, (state.ci_fn, jax.lax.stop_gradient(
+                state.ci_fn.features(obs.site_inputs)))
+        return obs, jax.lax.stop_gradient(
+            {s: ci_lower(v) for s, v in state.ci_fn(obs.site_inputs, comps).items()})
+
+    prepared = detached(ps.whole) if n_micro == 1 else None
+
+    def warmup_ascent(_, adv):
+        def grad_of(acc, inputs, m, at):
+            obs, ci = inputs
+            g = jax.grad(lambda src: ps.pgd_distance(
+                comps, fixed_deltas, ci,
+                {s: ps.source_rows(v, m) for s, v in src.items()}, obs))(adv.sources)
+            return ps.add(acc, jax.tree.map(lambda x: x / n_micro, g))
+
+        g = ps.over_microbatches(grad_of, ps.zeros_like(adv.sources), detached, prepared)
+        return ascend(adv, g, lr, spec.pgd.optimizer)
+
+    return jax.lax.fori_loop(0, spec.pgd.n_warmup, warmup_ascent, state.adversary)
+
+
+def loss_fn(ps: Pass, imp_grad: dict[str, Array] | None, step_key: Array, params, obs, m,
+            at) -> tuple[Array, tuple[dict[str, Array], dict[str, Array]]]:
+    """One microbatch's share of the loss (2, 4), differentiated in the trainable `params` =
+    (stepped components, CI function, adversary's sources, weight deltas); its terms and L0s."""
+    spec, n_micro = ps.spec, ps.n_micro
+    stepped_components, ci_fn, sources, deltas = params
+    # Shared tied update: the followers are built here, so both sites' gradients sum on the
+    # owned parameters. Per-site: they came in with the stepped components
+    # (optimized_components), with gradients of their own.
+    components = with_tied(stepped_components, ps.plan.tied)
+    # 2. Causal importances, and imp-min's sums and the L0s from them.
+    features = ci_fn.features(obs.site_inputs, spec.remat_layers)
+    if spec.stream_ci:
+        ci = (ci_fn, features)
+        S, l0 = {}, {}
+        for s in spec.sites:
+            S[s], l0[s] = ps.site_sums(ci_fn, features, components, s)
+    else:
+        logits = {s: ps.plan.pin(ci_fn.site_logits(features, s, components))
+                  for s in spec.sites}
+        ci = {s: ci_lower(v) for s, v in logits.items()}
+        S = losses.importance_sums({s: ci_upper(v) for s, v in logits.items()}, ps.p, spec.eps)
+        l0 = {s: ps.l0_of(v) for s, v in ci.items()}
+    # 4. Losses: this microbatch's share of the batch means.
+    if imp_grad is None:
+        imp = losses.importance_from_sums(S, ps.n_pos, spec.beta)
+        terms = {"imp_min": imp}
+    else:
+        imp = sum(jnp.sum(imp_grad[s] * S[s]) for s in S)
+        terms = {}
+    total = spec.imp_coeff * imp
+    term_keys = jax.random.split(step_key, max(len(spec.recon), 1))
+    for term, term_key in zip(spec.recon, term_keys):
+        fwd_keys = jax.random.split(term_key, len(term.plan))
+        ds = [ps.recon_distance(live, term.source, term.routing, components, deltas, ci,
+                                fwd_key, obs, at)
+              for live, fwd_key in zip(term.plan, fwd_keys)]
+        terms[f"recon_{term.name}"] = sum(ds) / len(ds) / n_micro
+        total = total + term.coeff * terms[f"recon_{term.name}"]
+    if spec.pgd:
+        terms["pgd"] = ps.pgd_distance(
+            components, deltas, ci, {s: ps.source_rows(v, m) for s, v in sources.items()},
+            obs) / n_micro
+        total = total + spec.pgd.coeff * terms["pgd"]
+    return total, (terms, {s: v / n_micro for s, v in l0.items()})
