@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import equinox as eqx
@@ -173,20 +173,7 @@ class CIFunction(eqx.Module):
     @staticmethod
     def init(key: PRNGKeyArray, layers: LayersConfig, d_in: Mapping[str, int],
              C: Mapping[str, int]) -> CIFunction:
-        kind, hidden = layers.ci_fn, list(layers.ci_hidden)
-        if kind == "global_transformer":
-            return CIFunction({}, GlobalCITransformer.init(
-                key, d_in, C, layers.ci_d_model, layers.ci_blocks, layers.ci_heads,
-                layers.ci_mlp))
-        keys = jax.random.split(key, len(C))
-        nets: dict[str, ComponentwiseMLP | SharedMLP] = {}
-        for k, s in zip(keys, C, strict=True):
-            if kind == "shared_mlp":
-                nets[s] = SharedMLP.init(k, C[s], d_in[s], hidden)
-            else:
-                nets[s] = ComponentwiseMLP.init(k, C[s], d_in[s], hidden,
-                                                on_inner_acts=kind == "mlp")
-        return CIFunction(nets)
+        return CI_FNS[layers.ci_fn](key, layers, d_in, C)
 
     def __call__(self, site_inputs: Mapping[str, Array], components: Components
                  ) -> dict[str, Float[Array, "*pos C"]]:
@@ -210,3 +197,32 @@ class CIFunction(eqx.Module):
         if self.global_net is not None:
             return self.global_net.site_logits(features, self.global_net.sites.index(site))
         return self.sites[site](features[site], components.sites[site].V)
+
+
+def _per_site(net: Callable[..., ComponentwiseMLP | SharedMLP]) -> Callable[..., CIFunction]:
+    """A CI function of one `net(key, C, d_in, hidden)` per site."""
+    def init(key: PRNGKeyArray, layers: LayersConfig, d_in: Mapping[str, int],
+             C: Mapping[str, int]) -> CIFunction:
+        keys = jax.random.split(key, len(C))
+        return CIFunction({s: net(k, C[s], d_in[s], list(layers.ci_hidden))
+                           for k, s in zip(keys, C, strict=True)})
+    return init
+
+
+def _global(key: PRNGKeyArray, layers: LayersConfig, d_in: Mapping[str, int],
+            C: Mapping[str, int]) -> CIFunction:
+    return CIFunction({}, GlobalCITransformer.init(
+        key, d_in, C, layers.ci_d_model, layers.ci_blocks, layers.ci_heads, layers.ci_mlp))
+
+
+# The CI functions by name (`layers.ci_fn`): (key, layers config, d_in and C per site) ->
+# the initialised function. `mlp` feeds component c its inner activation, `vector_mlp` the
+# whole site input; `shared_mlp` is one network per site over all its components;
+# `global_transformer` one network over all sites.
+CI_FNS: dict[str, Callable[..., CIFunction]] = {
+    "mlp": _per_site(lambda k, c, d, h: ComponentwiseMLP.init(k, c, d, h, on_inner_acts=True)),
+    "vector_mlp": _per_site(lambda k, c, d, h: ComponentwiseMLP.init(k, c, d, h,
+                                                                     on_inner_acts=False)),
+    "shared_mlp": _per_site(SharedMLP.init),
+    "global_transformer": _global,
+}

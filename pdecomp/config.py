@@ -10,30 +10,23 @@ from __future__ import annotations
 import json
 import math
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
 # Values allowed for the string-valued choices; `validate` quotes them in its errors.
+# The method's choices live in registries beside their implementations, each name declared
+# once: pdecomp.masks.PLANS, SOURCES, ROUTINGS; pdecomp.losses.DISTANCES; pdecomp.train.
+# REMAT, SCHEDULES, PGD_SCOPES, PGD_OPTIMIZERS, TIE_UPDATES; pdecomp.ci.CI_FNS;
+# pdecomp.hardware.GPUS (gate targets besides "local"). `validate` reads them.
 TARGETS = ("tms", "resid_mlp", "llama")
-CI_FN_TYPES = ("mlp", "vector_mlp", "shared_mlp", "global_transformer")
-TIE_UPDATES = ("shared", "per_site")
-SOURCES = ("continuous", "binomial", "ci")
-ROUTINGS = ("all", "uniform_k")
-PLANS = ("all", "layerwise", "chunkwise")
-DISTANCES = ("mse", "kl")
-SCHEDULES = ("constant", "linear", "cosine")
-GATE_TARGETS = ("local", "h100", "h200", "b200")  # pdecomp.hardware.GPUS
 FIT_MODES = ("none", "batch")
 DTYPES = ("float32", "bfloat16")
 DATA_SOURCES = ("toy", "synthetic", "tokens", "hf_dataset")  # toy: the toy target's features
 TOKEN_DTYPES = ("uint16", "uint32")
-PGD_SCOPES = ("global", "batch_shared", "per_example")  # [1,1,C+1], [1,T,C+1], [B,T,C+1]
-PGD_OPTIMIZERS = ("adam", "sign")
 MESH_AXES = ("data", "model", "none")
 LOGICAL_AXES = ("batch", "comp", "embed", "ci_embed")
-REMAT = ("none", "full", "save_dots", "names", "offload")
 REMAT_NAMES = ("site_inner", "site_out", "layer_out")  # checkpoint_name tags in the forward
 LLAMA_MLP = ("gate_proj", "up_proj", "down_proj")
 LLAMA_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -108,7 +101,7 @@ class LayersConfig:
     C: int = 20
     C_per_site: dict[str, int] = field(default_factory=dict)  # overrides C for named sites
     delta: bool = True
-    ci_fn: str = "mlp"  # one of CI_FN_TYPES
+    ci_fn: str = "mlp"  # a name in pdecomp.ci.CI_FNS
     ci_hidden: list[int] = field(default_factory=lambda: [16])
     # global_transformer: one network over all sites' inputs (docs/method.md)
     ci_d_model: int = 64
@@ -123,7 +116,7 @@ class LayersConfig:
     # public PyTorch implementation does, where the follower's parameters are transposed
     # views); TMS 40-10 needs it for its 40 live components. `shared`: one AdamW step on the
     # summed gradient of both sites.
-    tie_update: str = "per_site"  # one of TIE_UPDATES
+    tie_update: str = "per_site"  # a name in pdecomp.train.TIE_UPDATES
 
 
 @dataclass(frozen=True)
@@ -131,10 +124,10 @@ class ReconTermConfig:
     """One stochastic reconstruction term: a plan of forwards, a source and a routing."""
 
     coeff: float = 1.0
-    plan: str = "all"  # one of PLANS
+    plan: str = "all"  # a name in pdecomp.masks.PLANS
     sites_per_chunk: int = 0  # chunkwise only
-    source: str = "continuous"  # one of SOURCES
-    routing: str = "all"  # one of ROUTINGS
+    source: str = "continuous"  # a name in pdecomp.masks.SOURCES
+    routing: str = "all"  # a name in pdecomp.masks.ROUTINGS
 
 
 @dataclass(frozen=True)
@@ -143,8 +136,8 @@ class PGDConfig:
     ascended to make the all-sites-live forward as unfaithful as possible."""
 
     coeff: float = 0.0  # 0: off
-    scope: str = "batch_shared"  # one of PGD_SCOPES
-    optimizer: str = "adam"  # one of PGD_OPTIMIZERS; adam with b1 0.5, b2 0.99, eps 1e-8
+    scope: str = "batch_shared"  # a name in pdecomp.train.PGD_SCOPES
+    optimizer: str = "adam"  # a name in pdecomp.train.PGD_OPTIMIZERS; adam with b1 0.5, b2 0.99, eps 1e-8
     lr: float = 0.01
     warmup_frac: float = 0.025  # linear lr warmup, as a fraction of optim.steps
     n_warmup: int = 2  # extra ascents before each step's loss
@@ -171,7 +164,7 @@ class LossConfig:
     beta: float = 0.0
     eps: float = 1e-12
     ci_threshold: float = 0.1
-    distance: str = "mse"  # one of DISTANCES
+    distance: str = "mse"  # a name in pdecomp.losses.DISTANCES
     recon: dict[str, ReconTermConfig] = field(
         default_factory=lambda: {
             "full": ReconTermConfig(plan="all"),
@@ -187,7 +180,7 @@ class OptGroupConfig:
     """AdamW over one parameter group, with its own schedule and clipping."""
 
     lr: float = 1e-3
-    schedule: str = "cosine"  # one of SCHEDULES
+    schedule: str = "cosine"  # a name in pdecomp.train.SCHEDULES
     warmup_frac: float = 0.0
     final_frac: float = 0.0  # lr at the end, as a fraction of lr
     b1: float = 0.9
@@ -261,7 +254,7 @@ class MemoryConfig:
     donate: bool = True
     compute_dtype: str = "float32"  # one of DTYPES
     target_dtype: str = "float32"  # storage of the frozen target; one of DTYPES
-    # Rematerialization of each recon forward (one of REMAT): none keeps every activation
+    # Rematerialization of each recon forward (a name in pdecomp.train.REMAT): none keeps every activation
     # for the backward; full keeps only the forward's inputs; save_dots keeps matmul
     # outputs; names keeps the tensors tagged `remat_names`; offload moves those to host.
     remat: str = "none"
@@ -284,7 +277,7 @@ class MemoryConfig:
 @dataclass(frozen=True)
 class GateConfig:
     only: bool = False  # report and exit
-    target: str = "local"  # one of GATE_TARGETS: this job's devices, or a GPU to compile for
+    target: str = "local"  # local or a name in pdecomp.hardware.GPUS: this job's devices, or a GPU to compile for
     fit: str = "none"  # one of FIT_MODES: "batch" finds the largest batch under the cap
     fit_max_batch: int = 1 << 20  # upper end of the batch search
     top_temps: int = 8  # largest temporaries listed from XLA's buffer assignment; 0: none
@@ -319,7 +312,8 @@ class RunConfig:
     name: str = "run"
 
 
-def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+def _choice(key: str, value: str, allowed: Iterable[str]) -> None:
+    """`value` one of `allowed` (a registry's names), else a ConfigError that lists them."""
     if value not in allowed:
         raise ConfigError(key, value, f"allowed: {', '.join(allowed)}")
 
@@ -419,8 +413,11 @@ def _validate_layers(cfg: RunConfig) -> None:
         if c_f != c_l:
             raise ConfigError(f"layers.C_per_site.{follower}", c_f,
                               f"tied to {leader}: needs its C ({c_l}), or set layers.tie=false")
+    from pdecomp.ci import CI_FNS  # the registries import this module
+    from pdecomp.train import TIE_UPDATES
+
     _choice("layers.tie_update", lay.tie_update, TIE_UPDATES)
-    _choice("layers.ci_fn", lay.ci_fn, CI_FN_TYPES)
+    _choice("layers.ci_fn", lay.ci_fn, CI_FNS)
     for h in lay.ci_hidden:
         _positive("layers.ci_hidden", h)
     if lay.ci_fn == "global_transformer":
@@ -446,6 +443,10 @@ def _validate_loss(cfg: RunConfig) -> None:
         raise ConfigError("loss.p_anneal_end_frac", lo.p_anneal_end_frac,
                           f"must be >= loss.p_anneal_start_frac ({lo.p_anneal_start_frac})")
     _fraction("loss.ci_threshold", lo.ci_threshold)
+    from pdecomp.losses import DISTANCES
+    from pdecomp.masks import PLANS, ROUTINGS, SOURCES
+    from pdecomp.train import PGD_OPTIMIZERS, PGD_SCOPES
+
     _choice("loss.distance", lo.distance, DISTANCES)
     if not lo.recon:
         raise ConfigError("loss.recon", {}, "give at least one recon term")
@@ -476,6 +477,8 @@ def _validate_loss(cfg: RunConfig) -> None:
 
 def _validate_optim(cfg: RunConfig) -> None:
     """The optimizers and the microbatches."""
+    from pdecomp.train import SCHEDULES
+
     o = cfg.optim
     _positive("optim.steps", o.steps)
     _positive("optim.faith_warmup_steps", o.faith_warmup_steps, zero_ok=True)
@@ -519,7 +522,9 @@ def _validate_data(cfg: RunConfig) -> None:
 
 def _validate_mesh(cfg: RunConfig, n_devices: int | None) -> None:
     """The mesh, against the planned devices and the job's own."""
-    _choice("gate.target", cfg.gate.target, GATE_TARGETS)
+    from pdecomp.hardware import GPUS
+
+    _choice("gate.target", cfg.gate.target, ("local", *GPUS))
     me = cfg.mesh
     _positive("mesh.data", me.data, zero_ok=True)
     _positive("mesh.hosts", me.hosts)
@@ -567,6 +572,8 @@ def _validate_memory_and_gate(cfg: RunConfig) -> None:
         raise ConfigError("memory.safety_fraction", mem.safety_fraction, "must be in (0, 1]")
     _choice("memory.compute_dtype", mem.compute_dtype, DTYPES)
     _choice("memory.target_dtype", mem.target_dtype, DTYPES)
+    from pdecomp.train import REMAT
+
     _choice("memory.remat", mem.remat, REMAT)
     for name in mem.remat_names:
         _choice("memory.remat_names", name, REMAT_NAMES)

@@ -8,7 +8,7 @@ the delta channel's mask is the raw source.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import equinox as eqx
 import jax
@@ -22,18 +22,18 @@ from pdecomp.components import SiteMask
 Plan = tuple[tuple[str, ...], ...]
 
 
+# The recon plans by name (`loss.recon.<term>.plan`): (sites, sites_per_chunk) -> the
+# forwards. `all`: one forward with every site; `layerwise`: one per site; `chunkwise`:
+# sequential chunks of `sites_per_chunk` sites (the last chunk may be shorter).
+PLANS: dict[str, Callable[[tuple[str, ...], int], Plan]] = {
+    "all": lambda sites, k: (sites,),
+    "layerwise": lambda sites, k: tuple((s,) for s in sites),
+    "chunkwise": lambda sites, k: tuple(sites[i:i + k] for i in range(0, len(sites), k)),
+}
+
+
 def make_plan(kind: str, sites: Sequence[str], sites_per_chunk: int = 0) -> Plan:
-    """`all`: one forward with every site; `layerwise`: one per site; `chunkwise`: sequential
-    chunks of `sites_per_chunk` sites (the last chunk may be shorter)."""
-    sites = tuple(sites)
-    if kind == "all":
-        return (sites,)
-    if kind == "layerwise":
-        return tuple((s,) for s in sites)
-    if kind == "chunkwise":
-        k = sites_per_chunk
-        return tuple(sites[i:i + k] for i in range(0, len(sites), k))
-    raise ValueError(f"unknown plan {kind!r}")
+    return PLANS[kind](tuple(sites), sites_per_chunk)
 
 
 class Positions(eqx.Module):
@@ -69,26 +69,37 @@ def _uniform(key: PRNGKeyArray, shape: tuple[int, ...], at: Positions | None) ->
     return threefry.uniform_rows(key, at.index, shape[-1], at.total)
 
 
+# The mask sources by name (`loss.recon.<term>.source`): (key, shape, positions) -> values
+# per channel (the last channel is the delta channel).
+SOURCES: dict[str, Callable[[PRNGKeyArray, tuple[int, ...], Positions | None], Array]] = {
+    "continuous": lambda key, shape, at: _uniform(key, shape, at),
+    "binomial": lambda key, shape, at: (_uniform(key, shape, at) < 0.5).astype(jnp.float32),
+    # deterministic: mask = ci_lower, delta channel off
+    "ci": lambda key, shape, at: jnp.zeros(shape, jnp.float32),
+}
+
+
 def sample_source(key: PRNGKeyArray, kind: str, shape: tuple[int, ...],
                   at: Positions | None = None) -> Float[Array, "*pos C1"]:
-    """Source values per channel (the last channel is the delta channel)."""
-    if kind == "continuous":
-        return _uniform(key, shape, at)
-    if kind == "binomial":
-        return (_uniform(key, shape, at) < 0.5).astype(jnp.float32)
-    if kind == "ci":  # deterministic: mask = ci_lower, delta channel off
-        return jnp.zeros(shape, jnp.float32)
-    raise ValueError(f"unknown source {kind!r}")
+    return SOURCES[kind](key, shape, at)
 
 
 def sample_routing(key: PRNGKeyArray, kind: str, live: Sequence[str], pos: tuple[int, ...],
                    at: Positions | None = None) -> dict[str, Bool[Array, "*pos"] | None]:
-    """`all`: route every live site everywhere. `uniform_k`: per position draw k ~ U{1..n},
-    route a uniform k-subset of the n live sites."""
-    if kind == "all" or len(live) == 1 and kind == "uniform_k":
-        return {s: None for s in live}
-    if kind != "uniform_k":
-        raise ValueError(f"unknown routing {kind!r}")
+    """Which live sites each position routes through its masks (None: all of them)."""
+    return ROUTINGS[kind](key, tuple(live), pos, at)
+
+
+def _route_all(key: PRNGKeyArray, live: tuple[str, ...], pos: tuple[int, ...],
+               at: Positions | None) -> dict[str, Bool[Array, "*pos"] | None]:
+    return {s: None for s in live}
+
+
+def _route_uniform_k(key: PRNGKeyArray, live: tuple[str, ...], pos: tuple[int, ...],
+                     at: Positions | None) -> dict[str, Bool[Array, "*pos"] | None]:
+    """Per position draw k ~ U{1..n}, route a uniform k-subset of the n live sites."""
+    if len(live) == 1:
+        return _route_all(key, live, pos, at)
     n = len(live)
     k_key, perm_key = jax.random.split(key)
     at = at or Positions.whole(pos)
@@ -97,6 +108,11 @@ def sample_routing(key: PRNGKeyArray, kind: str, live: Sequence[str], pos: tuple
     ranks = jnp.argsort(jnp.argsort(_uniform(perm_key, (*pos, n), at), axis=-1), axis=-1)
     routed = ranks < k[..., None]
     return {s: routed[..., i] for i, s in enumerate(live)}
+
+
+# The routings by name (`loss.recon.<term>.routing`): `all` routes every live site
+# everywhere.
+ROUTINGS = {"all": _route_all, "uniform_k": _route_uniform_k}
 
 
 def masks_from_sources(ci_lower: Mapping[str, Float[Array, "*pos C"]],

@@ -118,34 +118,36 @@ class StepSpec:
                         cfg.memory.remat_layers)
 
 
+_cp = jax.checkpoint_policies
+# The recon forwards' remat by name (`memory.remat`): remat_names -> the `jax.checkpoint`
+# policy; False: no rematerialization, None: save nothing but the inputs.
+REMAT: dict[str, Callable[[Sequence[str]], Callable | None | bool]] = {
+    "none": lambda names: False,
+    "full": lambda names: None,
+    "save_dots": lambda names: _cp.dots_with_no_batch_dims_saveable,
+    "names": lambda names: _cp.save_only_these_names(*names),
+    "offload": lambda names: _cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=list(names),
+        offload_src="device", offload_dst="pinned_host"),
+}
+
+
 def remat_policy(kind: str, names: Sequence[str]) -> Callable | None | bool:
-    """The `jax.checkpoint` policy of a recon forward; False: no rematerialization."""
-    cp = jax.checkpoint_policies
-    if kind == "none":
-        return False
-    if kind == "full":
-        return None  # save nothing but the inputs
-    if kind == "save_dots":
-        return cp.dots_with_no_batch_dims_saveable
-    if kind == "names":
-        return cp.save_only_these_names(*names)
-    if kind == "offload":
-        return cp.save_and_offload_only_these_names(
-            names_which_can_be_saved=[], names_which_can_be_offloaded=list(names),
-            offload_src="device", offload_dst="pinned_host")
-    raise ValueError(f"unknown remat {kind!r}")
+    return REMAT[kind](names)
+
+
+# The adversary's source shapes by scope (`loss.pgd.scope`): (positions, C) -> shape.
+# global: one source for everything; batch_shared: one per position, shared by the batch's
+# examples; per_example: one per example and position.
+PGD_SCOPES: dict[str, Callable[[tuple[int, ...], int], tuple[int, ...]]] = {
+    "global": lambda pos, C: (*(1 for _ in pos), C + 1),
+    "batch_shared": lambda pos, C: (1, *pos[1:], C + 1),
+    "per_example": lambda pos, C: (*pos, C + 1),
+}
 
 
 def pgd_source_shape(scope: str, pos: tuple[int, ...], C: int) -> tuple[int, ...]:
-    """global: one source for everything; batch_shared: one per position, shared by the
-    batch's examples; per_example: one per example and position."""
-    if scope == "global":
-        return (*(1 for _ in pos), C + 1)
-    if scope == "batch_shared":
-        return (1, *pos[1:], C + 1)
-    if scope == "per_example":
-        return (*pos, C + 1)
-    raise ValueError(f"unknown scope {scope!r}")
+    return PGD_SCOPES[scope](pos, C)
 
 
 def batch_positions(cfg: RunConfig) -> tuple[int, ...]:
@@ -160,29 +162,34 @@ def pgd_lr(pgd: PGDConfig, total_steps: int) -> optax.Schedule:
 
 
 _PGD_ADAM = optax.scale_by_adam(b1=0.5, b2=0.99, eps=1e-8)
+# The adversary's ascent by name (`loss.pgd.optimizer`): (gradients, its moments) -> (the
+# direction, the moments after). sign: the gradients' signs; adam: Adam's step.
+PGD_OPTIMIZERS: dict[str, Callable[[dict, optax.OptState], tuple[dict, optax.OptState]]] = {
+    "adam": lambda grads, opt: _PGD_ADAM.update(grads, opt),
+    "sign": lambda grads, opt: (jax.tree.map(jnp.sign, grads), opt),
+}
 
 
 def ascend(adv: Adversary, grads: Mapping[str, Array], lr: Array, kind: str) -> Adversary:
     """One ascent step on the sources (maximising D), then clamp to [0, 1]."""
-    if kind == "sign":
-        direction, opt = jax.tree.map(jnp.sign, dict(grads)), adv.opt
-    else:
-        direction, opt = _PGD_ADAM.update(dict(grads), adv.opt)
+    direction, opt = PGD_OPTIMIZERS[kind](dict(grads), adv.opt)
     sources = jax.tree.map(lambda s, d: jnp.clip(s + lr * d, 0.0, 1.0), adv.sources, direction)
     return Adversary(sources, opt)
 
 
+# The learning-rate decays by name (`optim.<group>.schedule`): (lr, final_frac, steps) ->
+# a schedule from lr to final_frac x lr.
+SCHEDULES: dict[str, Callable[[float, float, int], optax.Schedule]] = {
+    "constant": lambda lr, final, n: optax.constant_schedule(lr),
+    "linear": lambda lr, final, n: optax.linear_schedule(lr, lr * final, n),
+    "cosine": lambda lr, final, n: optax.cosine_decay_schedule(lr, n, alpha=final),
+}
+
+
 def schedule(g: OptGroupConfig, total_steps: int) -> optax.Schedule:
-    """Linear warmup over warmup_frac, then constant / linear / cosine to final_frac × lr."""
+    """Linear warmup over warmup_frac, then the decay of `g.schedule` to final_frac × lr."""
     warm = round(g.warmup_frac * total_steps)
-    rest = max(total_steps - warm, 1)
-    end = g.lr * g.final_frac
-    if g.schedule == "constant":
-        decay = optax.constant_schedule(g.lr)
-    elif g.schedule == "linear":
-        decay = optax.linear_schedule(g.lr, end, rest)
-    else:
-        decay = optax.cosine_decay_schedule(g.lr, rest, alpha=g.final_frac)
+    decay = SCHEDULES[g.schedule](g.lr, g.final_frac, max(total_steps - warm, 1))
     if warm == 0:
         return decay
     return optax.join_schedules([optax.linear_schedule(0.0, g.lr, warm), decay], [warm])
@@ -197,12 +204,17 @@ def site_shapes(target) -> dict[str, tuple[int, int]]:
     return {s: tuple(W.shape) for s, W in target.site_weights().items()}
 
 
+# How tied sites are updated, by name (`layers.tie_update`): (components, tie map) -> what
+# the components' optimizer steps. shared: the owned sites; per_site: every site,
+# followers as their leaders' transposes.
+TIE_UPDATES: dict[str, Callable[[Components, dict[str, str]], Components]] = {
+    "shared": lambda components, tied: components,
+    "per_site": with_tied,
+}
+
+
 def optimized_components(cfg: RunConfig, components: Components) -> Components:
-    """What the components' optimizer steps: the owned sites, or with a per-site tied
-    update (`layers.tie_update`) every site, followers as their leaders' transposes."""
-    if cfg.layers.tie_update == "per_site":
-        return with_tied(components, tied_sites(cfg))
-    return components
+    return TIE_UPDATES[cfg.layers.tie_update](components, tied_sites(cfg))
 
 
 def apply_component_updates(cfg: RunConfig, components: Components,

@@ -1,0 +1,118 @@
+"""Each method choice is declared once, in a registry beside its implementation (name ->
+implementation); the allowed names and the refusal derive from it. Every option of every
+config group composes, and every preset validates."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses as dc
+from pathlib import Path
+
+import pytest
+
+from launcher import app
+from pdecomp import ci, hardware, losses, masks, train
+from pdecomp.config import ConfigError, RunConfig, validate
+
+CONFIG_PY = Path(__file__).resolve().parents[1] / "pdecomp" / "config.py"
+
+
+def _at(node, key: str, value):
+    """`node` (a config, or a dict of them such as loss.recon) with the dotted `key` set."""
+    head, _, rest = key.partition(".")
+    new = _at(node[head] if isinstance(node, dict) else getattr(node, head), rest, value) \
+        if rest else value
+    return {**node, head: new} if isinstance(node, dict) else dc.replace(node, **{head: new})
+
+
+def _llama() -> RunConfig:
+    from test_lm import tiny_cfg
+
+    return tiny_cfg()
+
+
+# (registry, config key, the config to set it in): every choice the method dispatches on.
+CHOICES = [
+    (masks.PLANS, "loss.recon.chunkwise.plan", _llama),
+    (masks.SOURCES, "loss.recon.chunkwise.source", _llama),
+    (masks.ROUTINGS, "loss.recon.chunkwise.routing", _llama),
+    (losses.DISTANCES, "loss.distance", None),
+    (train.REMAT, "memory.remat", RunConfig),
+    (train.SCHEDULES, "optim.components.schedule", RunConfig),
+    (train.PGD_SCOPES, "loss.pgd.scope", _llama),
+    (train.PGD_OPTIMIZERS, "loss.pgd.optimizer", _llama),
+    (train.TIE_UPDATES, "layers.tie_update", RunConfig),
+    (ci.CI_FNS, "layers.ci_fn", RunConfig),
+]
+
+
+@pytest.mark.parametrize(("registry", "key", "base"), CHOICES, ids=[c[1] for c in CHOICES])
+def test_every_registered_name_validates_and_others_are_refused_by_the_registry(
+        registry, key, base):
+    """Each name in the registry is a valid value of its key (the distance's valid names
+    depend on the model: kl for a language model, mse for a toy), and anything else is
+    refused with the registry's names, in its order."""
+    for name in registry:
+        if base is None:
+            cfg = _llama() if name == "kl" else RunConfig()
+        else:
+            cfg = base()
+        validate(_at(cfg, key, name))
+    cfg = RunConfig() if base is None else base()
+    with pytest.raises(ConfigError) as e:
+        validate(_at(cfg, key, "nonesuch"))
+    assert e.value.key == key and f"allowed: {', '.join(registry)}" in str(e.value), str(e.value)
+
+
+def test_gate_targets_are_local_and_the_hardware_table():
+    for name in ("local", *hardware.GPUS):
+        validate(dc.replace(RunConfig(), gate=dc.replace(RunConfig().gate, target=name,
+                                                         only=name != "local")))
+    with pytest.raises(ConfigError, match=f"allowed: local, {', '.join(hardware.GPUS)}"):
+        validate(dc.replace(RunConfig(), gate=dc.replace(RunConfig().gate, target="a100")))
+
+
+def test_config_py_spells_no_registered_name_in_a_tuple_of_choices():
+    """config.py declares no tuple of allowed names for a choice a registry holds (a default
+    value names one choice; a tuple of them would be the second declaration)."""
+    registries = [set(r) for r, _, _ in CHOICES] + [set(hardware.GPUS)]
+    for node in ast.walk(ast.parse(CONFIG_PY.read_text())):
+        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            names = {e.value for e in node.elts if isinstance(e, ast.Constant)}
+            assert all(len(names & r) < 2 for r in registries), ast.unparse(node)
+
+
+def _options() -> list[tuple[str, str]]:
+    groups = sorted(p for p in Path(app.CONF_DIR).iterdir() if p.is_dir())
+    return [(g.name, o.stem) for g in groups for o in sorted(g.glob("*.yaml"))]
+
+
+def test_every_option_of_every_group_composes_and_every_preset_validates():
+    """An experiment is a whole run and validates as it is; any other option composes and
+    validates over the defaults or over one of the experiments (an option for a Llama or a
+    residual MLP over theirs; the 8B model's groups over the 8B preset's gate, or over its
+    model with the Llama groups)."""
+    gpu_gate = ["gate.only=true", "gate.target=b200"]
+    experiments = [[f"+experiment={o}", *(gpu_gate if "8b" in o else [])]
+                   for g, o in _options() if g == "experiment"]
+    bases = [[], *experiments,
+             ["model=llama3_8b", "loss=llama", "optim=llama", "data=tokens", *gpu_gate]]
+    composed = []
+    with app.conf_dir():
+        for base in experiments:
+            app.compose_run(base)
+            composed.append(base[0])
+        for group, option in _options():
+            if group == "experiment":
+                continue
+            errors = []
+            for base in bases:
+                try:
+                    app.compose_run([*base, f"{group}={option}"])
+                    break
+                except ConfigError as e:  # an option for another model kind
+                    errors.append(str(e))
+            else:
+                raise AssertionError(f"{group}={option} fits no preset: {errors}")
+            composed.append(f"{group}={option}")
+    assert len(composed) >= 30, composed
