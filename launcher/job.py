@@ -183,7 +183,7 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
     hooks = Hooks(log=lambda s: console.print(f"[dim]{s}[/dim]") if rank0 else None,
                   on_metrics=(wb.log if wb else None), on_gate=on_gate, progress=on_progress,
                   should_stop=signals.stop_requested if signals else None,
-                  detach_gate=not (in_slurm or multirun))
+                  detach_gate=not (in_slurm or multirun), keep_freed_host_memory=True)
     try:
         with progress, (signals or contextlib.nullcontext()):
             summary = decompose(cfg, run_dir, hooks)
