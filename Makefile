@@ -1,8 +1,7 @@
 # make run: install if needed, then decompose the default toy (TMS 5-2) on CPU.
 # make test: install if needed (with the deviceless GPU compile plugin), then the whole test
 # suite (slow tiers included) on Python 3.12 with jax 0.11 (constraints.txt), the versions
-# the GPU jobs run, then what can differ between versions on Python 3.11 with jax 0.10
-# (constraints-jax010.txt).
+# the GPU jobs run, then the fast tier on Python 3.11 with jax 0.10 (constraints-jax010.txt).
 PY_VERSION ?= 3.12
 CONSTRAINTS ?= constraints.txt
 PYTHON ?= $(shell scripts/find_python.sh $(PY_VERSION))
@@ -44,18 +43,12 @@ test: install install-gpu-compile
 test-fast: install install-gpu-compile
 	$(PY) -m pytest -q -m "not slow"
 
-# The oldest supported versions, Python 3.11 with jax 0.10, in a venv of their own: what can
-# differ between versions (the gate, as XLA's dump format and buffer assignment do; the
-# step's numbers on 1 and 8 devices; the Llama loader); the rest is version-blind Python
-# the first leg covers.
+# The oldest supported versions, Python 3.11 with jax 0.10 (XLA's dump format and buffer
+# assignment differ from 0.11's), in a venv of their own: the fast tier.
 JAX010 := PY_VERSION=3.11 CONSTRAINTS=constraints-jax010.txt VENV=.venv-jax010
-JAX010_TESTS := tests/test_gate.py tests/test_fit_batch.py tests/test_usable_memory.py \
-	tests/test_semantics.py tests/test_microbatches.py tests/test_devices.py \
-	tests/test_state_and_targets.py tests/test_llama.py tests/test_llama_variants.py \
-	tests/test_registries.py
 test-jax010:
 	$(MAKE) install install-gpu-compile $(JAX010)
-	.venv-jax010/bin/python -m pytest -q -m "not slow" $(JAX010_TESTS)
+	.venv-jax010/bin/python -m pytest -q -m "not slow"
 
 bench: install install-gpu-compile
 	$(PY) bench/bench_tms.py

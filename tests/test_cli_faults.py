@@ -96,6 +96,7 @@ def test_a_refusal_in_the_job_leaves_no_directory_behind(
     assert entries(tmp_path) == before
 
 
+@pytest.mark.slow  # whole CLI runs, alike under every jax: the full suite, not the fast tier
 def test_a_refused_resume_leaves_the_run_directory_as_it_was(
         env: dict[str, str], tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
@@ -117,6 +118,7 @@ def sweep(args: list[str], env: dict[str, str], tmp_path: Path
         return proc, sweep_dir, list(csv.DictReader(f))
 
 
+@pytest.mark.slow  # whole CLI runs, alike under every jax: the full suite, not the fast tier
 def test_a_sweep_runs_every_job_and_exits_with_the_refused_gate(
         env: dict[str, str], tmp_path: Path) -> None:
     proc, sweep_dir, rows = sweep(["mesh=fsdp8,local", "memory.hbm_cap_gib=0,0.001"],
@@ -136,6 +138,7 @@ def test_a_sweep_runs_every_job_and_exits_with_the_refused_gate(
         in proc.stdout, proc.stdout
 
 
+@pytest.mark.slow  # whole CLI runs, alike under every jax: the full suite, not the fast tier
 def test_a_sweep_with_a_crashed_job_runs_the_rest_and_exits_with_the_refused_config(
         env: dict[str, str], tmp_path: Path) -> None:
     """A job that fails (a non-finite loss) is a row with its reason and the next job runs;
@@ -152,6 +155,7 @@ def test_a_sweep_with_a_crashed_job_runs_the_rest_and_exits_with_the_refused_con
 
 # -- stop signals outside SLURM: a checkpoint at the next step, exit 128 + the signal -------
 
+@pytest.mark.slow  # whole CLI runs, alike under every jax: the full suite, not the fast tier
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_stop_signal_checkpoints_and_the_run_resumes(
         sig: signal.Signals, code: int, env: dict[str, str], tmp_path: Path) -> None:
@@ -182,6 +186,7 @@ def test_a_stop_signal_checkpoints_and_the_run_resumes(
     assert load_json(run_dir / "summary.json")["steps"] == step + 10
 
 
+@pytest.mark.slow  # whole CLI runs, alike under every jax: the full suite, not the fast tier
 def test_model_path_names_the_run_after_the_model(env: dict[str, str], tmp_path: Path) -> None:
     fixture = Path(__file__).parent / "fixtures" / "llama" / "gqa_llama3"
     sites = "layers.sites=[layers.1.mlp.gate_proj,layers.1.mlp.up_proj,layers.1.mlp.down_proj]"
@@ -211,6 +216,7 @@ def test_ctrl_c_outside_training_exits_130_with_one_line(env: dict[str, str],
         "interrupted (Ctrl-C): exit 130", err[-3000:]
 
 
+@pytest.mark.slow  # whole CLI runs, alike under every jax: the full suite, not the fast tier
 def test_submitit_local_jobs_end_the_same_way(env: dict[str, str], tmp_path: Path) -> None:
     """The same rows and code through submitit's local executor as in this process."""
     proc, _, rows = sweep(["cluster=local", "mesh=local,fsdp8"], env, tmp_path)

@@ -211,6 +211,7 @@ def test_rerun_with_a_changed_schedule_exits_2_and_keeps_the_run(
     assert [p for p in after if after[p] != before[p]] == []  # config.yaml not rewritten
 
 
+@pytest.mark.slow  # whole CLI runs, alike under every jax: the full suite, not the fast tier
 def test_a_non_finite_loss_says_whether_a_checkpoint_exists(full_run, env: dict[str, str],
                                                             tmp_path: Path) -> None:
     blow_up = ["optim.components.lr=1e30", "optim.ci_fn.lr=1e30"]
@@ -233,6 +234,7 @@ def test_a_non_finite_loss_says_whether_a_checkpoint_exists(full_run, env: dict[
         resumed.stderr.split()), resumed.stderr[-3000:]
 
 
+@pytest.mark.slow  # whole CLI runs, alike under every jax: the full suite, not the fast tier
 def test_a_damaged_checkpoint_is_set_aside_and_the_run_resumes_from_the_one_before(
         full_run, env: dict[str, str], tmp_path: Path) -> None:
     run_dir = copy_of(full_run, tmp_path / "damaged")
@@ -316,6 +318,7 @@ def check_sweep(proc: subprocess.CompletedProcess[str], sweep_dir: Path) -> None
         == ["data.batch_size=128", "data.batch_size=256", "data.batch_size=512"]
 
 
+@pytest.mark.slow  # whole CLI runs, alike under every jax: the full suite, not the fast tier
 def test_sweep_basic_launcher(env: dict[str, str], tmp_path: Path) -> None:
     sweep_dir = tmp_path / "sweep"
     proc = pdecomp(["-m", *TINY_NO_BATCH, "data.batch_size=128,256,512",

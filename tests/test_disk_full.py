@@ -26,6 +26,9 @@ import numpy as np
 import pytest
 from conftest import load_json, ok, pdecomp
 
+# Whole CLI runs on a real tmpfs, alike under every jax: the full suite, not the fast tier.
+pytestmark = pytest.mark.slow
+
 RUN = ["optim.steps=40", "logging.log_every=10", "logging.ckpt_every=10",
        "model.train_steps=500", "data.batch_size=256", "data.eval_batches=1",
        "optim.faith_warmup_steps=10"]
