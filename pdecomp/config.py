@@ -15,11 +15,9 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-# Values allowed for the string-valued choices; `validate` quotes them in its errors.
-# The method's choices live in registries beside their implementations, each name declared
-# once: pdecomp.masks.PLANS, SOURCES, ROUTINGS; pdecomp.losses.DISTANCES; pdecomp.train.
-# REMAT, SCHEDULES, PGD_SCOPES, PGD_OPTIMIZERS, TIE_UPDATES; pdecomp.ci.CI_FNS;
-# pdecomp.hardware.GPUS (gate targets besides "local"). `validate` reads them.
+# Values allowed for the string-valued choices that have no implementation to dispatch to;
+# `validate` quotes them in its errors. The method's choices live in registries beside
+# their implementations, each name declared once (docs/method.md, "Adding a choice").
 TARGETS = ("tms", "resid_mlp", "llama")
 FIT_MODES = ("none", "batch")
 DTYPES = ("float32", "bfloat16")
@@ -137,7 +135,8 @@ class PGDConfig:
 
     coeff: float = 0.0  # 0: off
     scope: str = "batch_shared"  # a name in pdecomp.train.PGD_SCOPES
-    optimizer: str = "adam"  # a name in pdecomp.train.PGD_OPTIMIZERS; adam with b1 0.5, b2 0.99, eps 1e-8
+    # a name in pdecomp.train.PGD_OPTIMIZERS; adam with b1 0.5, b2 0.99, eps 1e-8
+    optimizer: str = "adam"
     lr: float = 0.01
     warmup_frac: float = 0.025  # linear lr warmup, as a fraction of optim.steps
     n_warmup: int = 2  # extra ascents before each step's loss
@@ -254,8 +253,8 @@ class MemoryConfig:
     donate: bool = True
     compute_dtype: str = "float32"  # one of DTYPES
     target_dtype: str = "float32"  # storage of the frozen target; one of DTYPES
-    # Rematerialization of each recon forward (a name in pdecomp.train.REMAT): none keeps every activation
-    # for the backward; full keeps only the forward's inputs; save_dots keeps matmul
+    # Rematerialization of each recon forward (a name in pdecomp.train.REMAT): none keeps
+    # every activation for the backward; full keeps only the forward's inputs; save_dots keeps matmul
     # outputs; names keeps the tensors tagged `remat_names`; offload moves those to host.
     remat: str = "none"
     remat_names: list[str] = field(default_factory=lambda: ["layer_out"])
@@ -277,7 +276,8 @@ class MemoryConfig:
 @dataclass(frozen=True)
 class GateConfig:
     only: bool = False  # report and exit
-    target: str = "local"  # local or a name in pdecomp.hardware.GPUS: this job's devices, or a GPU to compile for
+    # local (this job's devices) or a name in pdecomp.hardware.GPUS (a GPU to compile for)
+    target: str = "local"
     fit: str = "none"  # one of FIT_MODES: "batch" finds the largest batch under the cap
     fit_max_batch: int = 1 << 20  # upper end of the batch search
     top_temps: int = 8  # largest temporaries listed from XLA's buffer assignment; 0: none

@@ -488,26 +488,24 @@ def load_hf(path: str | Path, dtype: Any = jnp.float32,
     cfg, tensors = _open_checked(Path(path))
     L = cfg.num_hidden_layers
 
-    def stacked(key: str, transpose: bool) -> Callable[[tuple], np.ndarray]:
+    def stacked(key: str, transpose: bool, name: Callable[[int, str], str] | None = None
+                ) -> Callable[[tuple], np.ndarray]:
+        """Layer i's tensor `name(i, key)` (default: its weight), stacked over the layers."""
+        name = name or (lambda i, k: _hf_names(i)[k])
+
         def read(index: tuple) -> np.ndarray:
-            return np.stack([tensors.read(_hf_names(i)[key], index[1:], transpose)
+            return np.stack([tensors.read(name(i, key), index[1:], transpose)
                              for i in range(L)[index[0]]]).astype(dtype)
         return read
 
     def single(name: str, transpose: bool) -> Callable[[tuple], np.ndarray]:
         return lambda index: tensors.read(name, index, transpose).astype(dtype)
 
-    def bias(name: str) -> Callable[[tuple], np.ndarray]:
-        def read(index: tuple) -> np.ndarray:
-            return np.stack([tensors.read(_hf_bias(i, name), index[1:], False)
-                             for i in range(L)[index[0]]]).astype(dtype)
-        return read
-
     readers: dict[str, Any] = {
         "embed": single("model.embed_tokens.weight", False),
         "attn_norm": stacked("attn_norm", False),
         "attn": {n: stacked(n, True) for n in ATTN},
-        "attn_bias": {n: bias(n) for n in cfg.bias},
+        "attn_bias": {n: stacked(n, False, _hf_bias) for n in cfg.bias},
         "mlp_norm": stacked("mlp_norm", False),
         "mlp": {n: stacked(n, True) for n in MLP},
         "final_norm": single("model.norm.weight", False),
