@@ -183,7 +183,8 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
     hooks = Hooks(log=lambda s: console.print(f"[dim]{s}[/dim]") if rank0 else None,
                   on_metrics=(wb.log if wb else None), on_gate=on_gate, progress=on_progress,
                   should_stop=signals.stop_requested if signals else None,
-                  detach_gate=not (in_slurm or multirun), keep_freed_host_memory=True)
+                  detach_gate=not (in_slurm or multirun), keep_freed_host_memory=True,
+                  quiet_checkpoint_failures=True)
     try:
         with progress, (signals or contextlib.nullcontext()):
             summary = decompose(cfg, run_dir, hooks)
@@ -238,19 +239,23 @@ def _stop_for_scheduler(ranks: cluster.Ranks, signals: cluster.StopSignals, e: E
                         max_requeues: int) -> None:
     """Every rank has checkpointed at the same step; requeue (rank 0) and leave without a
     result, so that submitit waits for the requeued job instead of reporting this one."""
-    import jax
-    from jax.experimental import multihost_utils
+    from pdecomp import hosts
 
     why = ", ".join(dict.fromkeys(signals.received))
     if signals.requeue_requested():
         if ranks.process_id == 0:
             cluster.say(ranks, f"{why}: {e}; {cluster.requeue(max_requeues)}")
-        if jax.process_count() > 1:  # no rank leaves before the requeue is on record
-            multihost_utils.sync_global_devices("pdecomp: requeued")
+        hosts.barrier("pdecomp: requeued")  # no rank leaves before the requeue is on record
         cluster.say(ranks, f"exit {cluster.EXIT_REQUEUED}")
         sys.exit(cluster.EXIT_REQUEUED)
     cluster.say(ranks, f"{why}: {e}; exit {signals.exit_code()}")
     sys.exit(signals.exit_code())
+
+
+# Per-site metrics the findings table shows where the summary has them: (column, summary
+# key, format).
+FINDINGS_COLUMNS = (("1-hot live", "live_one_hot", "d"), ("MMCS", "mmcs", ".3f"),
+                    ("ML2R", "ml2r", ".3f"), ("one-to-one", "one_to_one", "d"))
 
 
 def print_findings(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> None:
@@ -258,25 +263,24 @@ def print_findings(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> No
     from pdecomp.config import site_C
     from pdecomp.metrics import EVAL_KINDS
 
-    lm = cfg.model.kind == "llama"
     table = Table(title=f"{cfg.name}: what SPD found")
     sites = site_C(cfg)
+    # the kind's per-site metrics: those the summary has for some site
+    extra = [(col, key, spec) for col, key, spec in FINDINGS_COLUMNS
+             if any(f"{key}/{s}" in summary for s in sites)]
     # site names whole, never cut to "layers.0.mlp_…" on a narrow console
     table.add_column("site", no_wrap=True, min_width=max(map(len, sites)))
-    for col in ("C", "live", "L0") + (() if lm else ("1-hot live", "MMCS", "ML2R",
-                                                      "one-to-one")):
+    for col in ("C", "live", "L0", *(col for col, _, _ in extra)):
         table.add_column(col)
     for site, C in sites.items():
         def fmt(key: str, spec: str = ".3f", site: str = site) -> str:
             v = summary.get(f"{key}/{site}")
             return "-" if v is None else format(v, spec)
 
-        row = [site, str(C), fmt("live", "d"), fmt("l0")]
-        if not lm:
-            row += [fmt("live_one_hot", "d"), fmt("mmcs"), fmt("ml2r"), fmt("one_to_one", "d")]
-        table.add_row(*row)
+        table.add_row(site, str(C), fmt("live", "d"), fmt("l0"),
+                      *(fmt(key, spec) for _, key, spec in extra))
     console.print(table)
-    if lm:  # how much of the target's behaviour each kind of mask keeps
+    if "ce/target" in summary:  # an LM: how much of the target's behaviour each mask keeps
         masks = Table(title=f"every site masked; target CE {summary['ce/target']:.4f}")
         for col in ("mask", "CE", "KL to target", "CE unrecovered"):
             masks.add_column(col)

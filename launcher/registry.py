@@ -14,9 +14,10 @@ from pathlib import PurePath
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
-from pdecomp.config import RunConfig, from_dict
+from pdecomp.config import ModelConfig, RunConfig, from_dict
+from pdecomp.kinds import KINDS, kind_of
 
 
 @cache
@@ -24,6 +25,9 @@ def mutable_twin(cls: type) -> type:
     hints = typing.get_type_hints(cls)
     specs = []
     for f in dataclasses.fields(cls):
+        if hints[f.name] is ModelConfig:  # typed by the chosen model/ option's schema
+            specs.append((f.name, Any, dataclasses.field(default=MISSING)))
+            continue
         tp = _twin_type(hints[f.name])
         if f.default is not dataclasses.MISSING:
             specs.append((f.name, tp, dataclasses.field(default=f.default)))
@@ -68,9 +72,13 @@ def _twin_value(value: Any) -> Any:
 
 
 def register() -> None:
-    """Store the run schema as `run_schema` (config.yaml lists it first in its defaults) and
-    the resolvers the configs use."""
-    ConfigStore.instance().store(name="run_schema", node=mutable_twin(RunConfig))
+    """Store the run schema as `run_schema` (config.yaml lists it first in its defaults),
+    each model kind's schema as `schema/model/<kind>` (a `model/` option lists its kind's
+    first in its defaults), and the resolvers the configs use."""
+    store = ConfigStore.instance()
+    store.store(name="run_schema", node=mutable_twin(RunConfig))
+    for name in KINDS:
+        store.store(group="schema/model", name=name, node=mutable_twin(kind_of(name).schema))
     OmegaConf.register_new_resolver("pdecomp.model_name", model_name, replace=True)
 
 

@@ -8,7 +8,7 @@ component when one feature is active alone. Written as a static HTML page (sorta
 plots inline) with the plots as PNGs beside it, in `<run_dir>/analysis/`.
 
 The data is the run's own: a Llama reads the held-out split of its token stream (the one
-the final evaluation reads, `run.token_stream(cfg, held_out=True)`), a toy samples inputs
+the final evaluation reads, `lm.token_stream(cfg, held_out=True)`), a toy samples inputs
 from the evaluation seed.
 """
 
@@ -31,8 +31,9 @@ import numpy as np
 from jaxtyping import Array
 
 from pdecomp import metrics, plots, targets
-from pdecomp.config import EXIT_BAD_CONFIG, site_names_of
-from pdecomp.run import EVAL_SEED_OFFSET, token_stream
+from pdecomp.config import EVAL_SEED_OFFSET, EXIT_BAD_CONFIG, site_names_of
+from pdecomp.kinds import kind_of
+from pdecomp.lm import token_stream
 from pdecomp.runs import Run, RunDirError, load_run
 
 OUT_DIR = "analysis"
@@ -105,6 +106,12 @@ def _batch_reduce(threshold: float, top_k: int) -> Callable:
     return reduce
 
 
+def reads_tokens(run: Run) -> bool:
+    """A language model's run: analysed on held-out token windows, with top-k contexts; a
+    toy's on sampled inputs, with each feature's CI."""
+    return kind_of(run.config.model).tokens_per_example(run.config) > 0
+
+
 def _lm_windows(run: Run, windows: int, batch_size: int) -> Iterator[np.ndarray]:
     """The held-out windows the final evaluation reads, `batch_size` at a time (the last
     batch shorter)."""
@@ -160,7 +167,7 @@ def component_stats(run: Run, windows: int = 256, inputs: int = 8192, top_k: int
     streamed over `windows` held-out windows (Llama) or `inputs` sampled inputs (toys) in
     batches; `progress(done, total)` after each batch."""
     cfg, thr = run.config, run.config.loss.ci_threshold
-    lm = cfg.model.kind == "llama"
+    lm = reads_tokens(run)
     B = batch_size or cfg.data.batch_size
     total = windows if lm else inputs
     if total <= 0:
@@ -236,10 +243,8 @@ def _contexts(best: tuple[np.ndarray, np.ndarray, np.ndarray], ids: np.ndarray,
 def feature_ci(run: Run) -> dict[str, np.ndarray]:
     """Toys: per site, CI [features, C] of each component when feature f alone is on (at
     ONE_HOT_VALUE), the paper's per-feature CI view."""
-    t = run.target
-    n = t.W.shape[0] if isinstance(t, targets.TMS) else t.W_E.shape[0]
-    ci = metrics.causal_importances(t, run.components, run.ci_fn,
-                                    ONE_HOT_VALUE * jnp.eye(n, dtype=jnp.float32))
+    eye = jnp.eye(run.config.model.n_features, dtype=jnp.float32)
+    ci = metrics.causal_importances(run.target, run.components, run.ci_fn, ONE_HOT_VALUE * eye)
     return {s: np.asarray(v, np.float64) for s, v in ci.items()}
 
 
@@ -247,7 +252,7 @@ def analyse(run: Run, windows: int = 256, inputs: int = 8192, top_k: int = 5,
             batch_size: int | None = None,
             progress: Callable[[int, int], None] | None = None) -> Analysis:
     stats, contexts, data = component_stats(run, windows, inputs, top_k, batch_size, progress)
-    fci = None if run.config.model.kind == "llama" else feature_ci(run)
+    fci = None if reads_tokens(run) else feature_ci(run)
     return Analysis(run, stats, contexts, fci, data)
 
 
@@ -438,7 +443,7 @@ def main(argv: Sequence[str],
         print(f"{e}; pdecomp analyze expects a run directory with config.yaml and "
               "checkpoints/", file=sys.stderr)
         return EXIT_BAD_CONFIG
-    lm = run.config.model.kind == "llama"
+    lm = reads_tokens(run)
     total = args.windows if lm else args.inputs
     update, stop = _progress_bar(total, "held-out windows" if lm else "inputs")
     try:

@@ -24,8 +24,8 @@ import equinox as eqx
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 
+from pdecomp import hosts
 from pdecomp.storage import WriteFailed, storage_error
 
 UNREADABLE = ".unreadable"  # suffix of a step directory moved aside; orbax ignores it
@@ -45,9 +45,13 @@ def is_array_like(x) -> bool:
 
 
 class Checkpointer:
-    def __init__(self, directory: str | Path, max_to_keep: int = 2, writer: bool = False):
+    def __init__(self, directory: str | Path, max_to_keep: int = 2, writer: bool = False,
+                 quiet: bool = False):
         """`writer`: this is the run that saves here (not a reader of a run that may be
-        saving): it removes the temporary directories that a killed earlier attempt left."""
+        saving): it removes the temporary directories that a killed earlier attempt left.
+        `quiet` (process-wide, so a front end's to ask for): orbax's own reports of a failed
+        write or of the reads it abandons after a failed read are dropped, since the failure
+        is reported once, as CheckpointWriteFailed or in the log of a resume."""
         self.directory = Path(directory).absolute()
         self.manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(
@@ -55,7 +59,8 @@ class Checkpointer:
             item_handlers=ocp.StandardCheckpointHandler())  # so item_metadata can read steps
         self._saving: int | None = None  # the step of the save in flight
         self._failed = False
-        if writer:  # a save that fails is reported once, by CheckpointWriteFailed
+        self.quiet = quiet
+        if writer and quiet:
             _quiet_failed_writes()
             _quiet_abandoned_reads()
 
@@ -114,10 +119,9 @@ class Checkpointer:
             except Exception as e:  # noqa: BLE001 - whatever orbax raises on damaged files
                 first = re.split(r"(?<=\.)\s", str(e).strip(), maxsplit=1)[0]
                 state, why = None, f"{type(e).__name__}: {textwrap.shorten(first, 160)}"
-                _quiet_abandoned_reads()
-            failed = np.atleast_1d(why is not None)
-            if jax.process_count() > 1:
-                failed = multihost_utils.process_allgather(failed).reshape(-1)
+                if self.quiet:
+                    _quiet_abandoned_reads()
+            failed = hosts.gather(np.atleast_1d(why is not None))
             if not failed.any():
                 return state, step
             if why is None:
@@ -127,10 +131,9 @@ class Checkpointer:
             while aside.exists():  # an earlier fault's copy of the same step
                 n += 1
                 aside = self.directory / f"{step}{UNREADABLE}.{n}"
-            if jax.process_index() == 0:
+            if hosts.is_main_process():
                 (self.directory / str(step)).rename(aside)
-            if jax.process_count() > 1:
-                multihost_utils.sync_global_devices(f"pdecomp checkpoint {step} aside")
+            hosts.barrier(f"pdecomp checkpoint {step} aside")
             self.manager.reload()
             log(f"checkpoint at step {step} cannot be read ({why});"
                 f" moved to {aside}")
@@ -187,7 +190,7 @@ class Checkpointer:
         step, self._saving, self._failed = self._saving, None, True
         with contextlib.suppress(Exception):  # orbax raises the stored failure again
             self.manager.close()
-        if jax.process_index() == 0:
+        if hosts.is_main_process():
             for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
                 shutil.rmtree(partial, ignore_errors=True)
         kept = complete_steps(self.directory)

@@ -7,18 +7,15 @@ Every error names the dotted key, the value and what is allowed.
 
 from __future__ import annotations
 
-import json
 import math
 import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
-from pathlib import Path
 from typing import Any
 
 # Values allowed for the string-valued choices that have no implementation to dispatch to;
 # `validate` quotes them in its errors. The method's choices live in registries beside
 # their implementations, each name declared once (docs/method.md, "Adding a choice").
-TARGETS = ("tms", "resid_mlp", "llama")
 FIT_MODES = ("none", "batch")
 DTYPES = ("float32", "bfloat16")
 DATA_SOURCES = ("toy", "synthetic", "tokens", "hf_dataset")  # toy: the toy target's features
@@ -39,6 +36,7 @@ LLAMA3_ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor",
 # the seeds derived by offset (evaluation: seed + 10,000; target retraining: model.seed +
 # 1,000 per attempt, its held-out language + 1,000,000) must stay distinct 32-bit keys.
 SEED_MAX = 2**31 - 1
+EVAL_SEED_OFFSET = 10_000  # eval batches come from their own seed, not training's
 
 EXIT_BAD_CONFIG = 2  # the exit code of a run refused for its config
 EXIT_GATE_REFUSED = 3  # the exit code of a run whose memory gate refused it
@@ -54,23 +52,64 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The frozen target. Toy targets are trained in-process and cached by their settings.
-
-    A Llama (`kind: llama`) is read from the Hugging Face directory `path`, whose
-    config.json then defines the architecture. Without a path the fields below give its
-    shapes (enough for the gate), and it is trained on the synthetic language for
-    `train_steps` steps and cached like a toy, or keeps random weights when that is 0.
-    """
+    """The frozen target: what every model kind's config has. Each kind's schema (its
+    `Kind.schema`, registered as the schema of its `model/` options) adds its own fields, so
+    a key of another kind fails at compose time."""
 
     name: str = "tms_5-2"
-    kind: str = "tms"  # one of TARGETS
-    path: str = ""  # llama: a HF directory (config.json + safetensors)
+    kind: str = "tms"  # a name in pdecomp.kinds.KINDS
+    seed: int = 0
+    cache_dir: str = ""  # trained targets' cache; empty: $PDECOMP_CACHE or ~/.cache/pdecomp
+
+
+@dataclass(frozen=True)
+class TrainedModelConfig(ModelConfig):
+    """A target trained in-process and cached by its settings (the toys, a pathless Llama)."""
+
+    train_steps: int = 10_000
+    train_batch_size: int = 1024
+    train_lr: float = 5e-3
+    max_retrain: int = 3  # retries with a new seed when the target fails its check
+
+
+@dataclass(frozen=True)
+class TMSConfig(TrainedModelConfig):
+    """Toy model of superposition: `n_features` sparse features in `d_hidden` dimensions."""
+
     n_features: int = 5
-    d_hidden: int = 2  # TMS hidden size m; residual MLP neurons per layer
-    d_embed: int = 1000  # residual stream width (residual MLP, llama hidden_size)
-    n_layers: int = 1  # residual MLP / llama layers
-    # llama architecture without a path (HF config.json names in comments)
+    d_hidden: int = 2  # the hidden size m
+    n_hidden_layers: int = 0  # +ID variants: fixed identity layers between linear1/linear2
+    feature_prob: float = 0.05
+
+
+@dataclass(frozen=True)
+class ResidMLPConfig(TrainedModelConfig):
+    """Residual MLP: features embedded in a `d_embed` stream, `n_layers` ReLU MLPs of
+    `d_hidden` neurons."""
+
+    name: str = "resid_mlp1"
+    kind: str = "resid_mlp"
+    n_features: int = 5
+    d_hidden: int = 2  # neurons per layer
+    d_embed: int = 1000  # residual stream width
+    n_layers: int = 1
+    feature_prob: float = 0.05
+
+
+@dataclass(frozen=True)
+class LlamaModelConfig(TrainedModelConfig):
+    """A Llama, read from the Hugging Face directory `path`, whose config.json then defines
+    the architecture. Without a path the fields below give its shapes (enough for the
+    gate), and it is trained on the synthetic language for `train_steps` steps and cached
+    like a toy, or keeps random weights when that is 0."""
+
+    name: str = "llama"
+    kind: str = "llama"
+    path: str = ""  # a HF directory (config.json + safetensors)
+    # the architecture without a path (HF config.json names in comments)
     vocab_size: int = 128
+    d_embed: int = 1000  # hidden_size
+    n_layers: int = 1  # num_hidden_layers
     d_mlp: int = 160  # intermediate_size
     n_heads: int = 4  # num_attention_heads
     n_kv_heads: int = 4  # num_key_value_heads
@@ -81,14 +120,6 @@ class ModelConfig:
     tie_embeddings: bool = False
     attn_bias: list[str] = field(default_factory=list)  # q_proj, k_proj, v_proj: Qwen2's
     sliding_window: int = 0  # Mistral's sliding_window in every layer; 0: full attention
-    n_hidden_layers: int = 0  # TMS +ID variants: fixed identity layers between linear1/linear2
-    feature_prob: float = 0.05
-    train_steps: int = 10_000
-    train_batch_size: int = 1024
-    train_lr: float = 5e-3
-    seed: int = 0
-    max_retrain: int = 3  # retries with a new seed when the target misses a feature
-    cache_dir: str = ""  # empty: $PDECOMP_CACHE or ~/.cache/pdecomp
 
 
 @dataclass(frozen=True)
@@ -299,7 +330,7 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig = field(default_factory=TMSConfig)
     layers: LayersConfig = field(default_factory=LayersConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -329,33 +360,11 @@ def _fraction(key: str, value: float) -> None:
         raise ConfigError(key, value, "must be a fraction in [0, 1]")
 
 
-def llama_n_layers(model: ModelConfig) -> int:
-    """Layers of a Llama: from config.json when a path is given, else `model.n_layers`."""
-    if not model.path:
-        return model.n_layers
-    cfg_file = Path(model.path) / "config.json"
-    try:
-        return int(json.loads(cfg_file.read_text())["num_hidden_layers"])
-    except (OSError, ValueError, KeyError) as e:
-        raise ConfigError("model.path", model.path,
-                          f"must be a Hugging Face model directory with a readable config.json "
-                          f"({type(e).__name__}: {e})") from None
-
-
 def site_names_of(model: ModelConfig) -> tuple[str, ...]:
-    """The target's sites in their fixed, documented order.
+    """The target's sites in their fixed, documented order (its kind's `site_names`)."""
+    from pdecomp.kinds import kind_of  # the kinds import this module
 
-    Llama: by layer, attention q/k/v/o then MLP gate/up/down, named by HF module path."""
-    if model.kind == "llama":
-        return tuple(f"layers.{i}.{part}.{w}" for i in range(llama_n_layers(model))
-                     for part, ws in (("self_attn", LLAMA_ATTN), ("mlp", LLAMA_MLP)) for w in ws)
-    if model.kind == "tms":
-        hidden = tuple("hidden" if model.n_hidden_layers == 1 else f"hidden.{i}"
-                       for i in range(model.n_hidden_layers))
-        return ("linear1", *hidden, "linear2")
-    if model.kind == "resid_mlp":
-        return tuple(f"layers.{i}.{w}" for i in range(model.n_layers) for w in ("mlp_in", "mlp_out"))
-    raise ConfigError("model.kind", model.kind, f"allowed: {', '.join(TARGETS)}")
+    return kind_of(model).site_names(model)
 
 
 def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
@@ -371,23 +380,17 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
 
 
 def _validate_model(cfg: RunConfig) -> None:
-    """The target: seeds, sizes, and a Llama's architecture or checkpoint."""
+    """The target: seeds, then its kind's own checks (sizes, a Llama's architecture or
+    checkpoint)."""
+    from pdecomp.kinds import KINDS, kind_of
+
     m = cfg.model
     for key, seed in (("seed", cfg.seed), ("model.seed", m.seed)):
         if not 0 <= seed <= SEED_MAX:
             raise ConfigError(key, seed, f"must be an integer in [0, {SEED_MAX}] (for every "
                               "model kind)")
-    _choice("model.kind", m.kind, TARGETS)
-    for key in ("n_features", "d_hidden", "d_embed", "n_layers", "train_steps", "train_batch_size"):
-        # a pathless Llama with no training steps keeps its random weights
-        _positive(f"model.{key}", getattr(m, key),
-                  zero_ok=key == "train_steps" and m.kind == "llama")
-    _positive("model.n_hidden_layers", m.n_hidden_layers, zero_ok=True)
-    if not 0.0 < m.feature_prob <= 1.0:
-        raise ConfigError("model.feature_prob", m.feature_prob, "must be in (0, 1]")
-    _positive("model.train_lr", m.train_lr)
-    if m.kind == "llama":
-        _validate_llama(m)
+    _choice("model.kind", m.kind, KINDS)
+    kind_of(m).validate(m)
 
 
 def _validate_layers(cfg: RunConfig) -> None:
@@ -431,6 +434,7 @@ def _validate_layers(cfg: RunConfig) -> None:
 
 def _validate_loss(cfg: RunConfig) -> None:
     """The loss terms, their schedules and the recon plans."""
+    from pdecomp.kinds import kind_of
     m, lay = cfg.model, cfg.layers
     lo = cfg.loss
     for key in ("faithfulness_coeff", "imp_min_coeff", "beta", "eps"):
@@ -468,11 +472,10 @@ def _validate_loss(cfg: RunConfig) -> None:
     _positive("loss.pgd.n_warmup", pgd.n_warmup, zero_ok=True)
     _positive("loss.eval_pgd.n_steps", lo.eval_pgd.n_steps, zero_ok=True)
     _positive("loss.eval_pgd.step_size", lo.eval_pgd.step_size)
-    if lo.distance == "kl" and m.kind != "llama":
-        raise ConfigError("loss.distance", lo.distance, f"kl needs a language model; model "
-                          f"{m.name} outputs vectors: use mse")
-    if lo.distance == "mse" and m.kind == "llama":
-        raise ConfigError("loss.distance", lo.distance, "a Llama's output distance is kl")
+    kind = kind_of(m)
+    if lo.distance != kind.distance:
+        raise ConfigError("loss.distance", lo.distance, f"model {m.name} ({m.kind}) is "
+                          f"compared by {kind.distance}: {kind.distance_why}")
 
 
 def _validate_optim(cfg: RunConfig) -> None:
@@ -501,23 +504,23 @@ def _validate_optim(cfg: RunConfig) -> None:
 
 def _validate_data(cfg: RunConfig) -> None:
     """The data source and what the target reads."""
+    from pdecomp.kinds import kind_of
     m = cfg.model
     d = cfg.data
     _positive("data.batch_size", d.batch_size)
     _positive("data.eval_batches", d.eval_batches)
     _choice("data.source", d.source, DATA_SOURCES)
-    if (d.source == "toy") != (m.kind != "llama"):
-        allowed = ("toy" if m.kind != "llama" else
-                   ", ".join(x for x in DATA_SOURCES if x != "toy"))
-        raise ConfigError("data.source", d.source, f"model {m.name} ({m.kind}) reads: {allowed}")
+    kind = kind_of(m)
+    if d.source not in kind.data_sources:
+        raise ConfigError("data.source", d.source,
+                          f"model {m.name} ({m.kind}) reads: {', '.join(kind.data_sources)}")
     _choice("data.token_dtype", d.token_dtype, TOKEN_DTYPES)
     _positive("data.seq_len", d.seq_len)
     if not 0.0 <= d.eval_frac < 1.0:
         raise ConfigError("data.eval_frac", d.eval_frac, "must be in [0, 1)")
     if d.source in ("tokens", "hf_dataset") and not d.path and not cfg.gate.only:
         raise ConfigError("data.path", d.path, f"data.source={d.source} needs a path")
-    if d.source in ("tokens", "hf_dataset") and m.kind == "llama" and not cfg.gate.only:
-        _validate_tokens(cfg)
+    kind.validate_data(cfg)
 
 
 def _validate_mesh(cfg: RunConfig, n_devices: int | None) -> None:
@@ -587,35 +590,6 @@ def _validate_memory_and_gate(cfg: RunConfig) -> None:
     _positive("logging.stop_check_every", cfg.logging.stop_check_every)
 
 
-def _validate_llama(m: ModelConfig) -> None:
-    if m.path:
-        llama_n_layers(m)  # a readable config.json
-        # A model this loader computes, and every tensor there with its shape (headers only).
-        from pdecomp import llama  # the loader imports this module
-
-        try:
-            llama.check_hf(m.path)
-        except llama.CheckpointError as e:
-            raise ConfigError("model.path", m.path, str(e)) from None
-        return
-    for key in ("vocab_size", "d_mlp", "n_heads", "n_kv_heads"):
-        _positive(f"model.{key}", getattr(m, key))
-    _positive("model.head_dim", m.head_dim, zero_ok=True)
-    _positive("model.rope_theta", m.rope_theta)
-    if m.n_heads % m.n_kv_heads:
-        raise ConfigError("model.n_kv_heads", m.n_kv_heads,
-                          f"must divide model.n_heads ({m.n_heads})")
-    if not m.head_dim and m.d_embed % m.n_heads:
-        raise ConfigError("model.n_heads", m.n_heads,
-                          f"must divide model.d_embed ({m.d_embed}) unless model.head_dim is set")
-    if odd := [n for n in m.attn_bias if n not in LLAMA_ATTN]:
-        raise ConfigError("model.attn_bias", odd[0], f"allowed: {', '.join(LLAMA_ATTN)}")
-    _positive("model.sliding_window", m.sliding_window, zero_ok=True)
-    if problem := rope_problem(m.rope_scaling):
-        name, value, allowed = problem
-        raise ConfigError(f"model.rope_scaling.{name}", value, allowed)
-
-
 def rope_problem(rope: Any) -> tuple[str, Any, str] | None:
     """(field, value, what is allowed) for RoPE settings the Llama target would not compute,
     or None. The same rule for a preset's `model.rope_scaling` and a checkpoint's config.json
@@ -644,31 +618,11 @@ def rope_problem(rope: Any) -> tuple[str, Any, str] | None:
     return None
 
 
-def _validate_tokens(cfg: RunConfig) -> None:
-    """The token source opened as the run will open it, every id checked against the vocab
-    and the dtype against its sidecar (pdecomp.data), so a bad file ends here, before the
-    launcher makes anything. The scan is kept per file, so the job reads it once more at
-    most (not at all when it runs in the launcher's process)."""
-    from pdecomp import data  # the data module imports this one
-
-    d, m = cfg.data, cfg.model
-    if m.path:  # checked by _validate_llama, which has imported the loader
-        from pdecomp import llama
-
-        vocab = llama.arch(m).vocab_size
-    else:
-        vocab = m.vocab_size
-    spec = data.TokenSpec(d.source, d.path, d.token_dtype, d.column, d.seq_len, vocab,
-                          cfg.seed)
-    data.open_tokens(spec).split(d.eval_frac, cfg.seed)
-
-
 def tied_sites(cfg: RunConfig) -> dict[str, str]:
     """follower → leader for the decomposed sites whose weights the target ties."""
-    if not cfg.layers.tie or cfg.model.kind != "tms":
-        return {}
-    chosen = set(cfg.layers.sites)
-    return {"linear2": "linear1"} if {"linear1", "linear2"} <= chosen else {}
+    from pdecomp.kinds import kind_of
+
+    return kind_of(cfg.model).tied_sites(cfg)
 
 
 def site_C(cfg: RunConfig) -> dict[str, int]:
@@ -696,6 +650,10 @@ def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
 
 def _convert(tp: Any, value: Any, dotted: str) -> Any:
     origin = typing.get_origin(tp)
+    if tp is ModelConfig and isinstance(value, Mapping):  # the schema of the model's kind
+        from pdecomp.kinds import kind_of
+
+        tp = kind_of(str(value.get("kind", ModelConfig.kind))).schema
     if is_dataclass(tp):
         if not isinstance(value, Mapping):
             raise ConfigError(dotted, value, f"must be a mapping of {tp.__name__} fields")

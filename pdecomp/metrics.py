@@ -194,11 +194,11 @@ def tms_ground_truth(target: TMS, components: Components,
 
 
 def one_hot_live(target: TMS | ResidMLP, components: Components, ci_fn, threshold: float,
-                 value: float = 0.75) -> dict[str, int]:
+                 n: int, value: float = 0.75) -> dict[str, int]:
     """Per site: components whose CI exceeds the threshold on some single-feature input
-    value·e_f. The view of the paper's CI-per-feature plots: unlike `live`, it cannot see a
-    component that fires only when several features are on at once."""
-    n = target.W.shape[0] if isinstance(target, TMS) else target.W_E.shape[0]
+    value·e_f (f < n, the target's features). The view of the paper's CI-per-feature plots:
+    unlike `live`, it cannot see a component that fires only when several features are on at
+    once."""
     ci = causal_importances(target, components, ci_fn, value * jnp.eye(n, dtype=jnp.float32))
     return {f"live_one_hot/{s}": int((np.asarray(v) > threshold).any(0).sum())
             for s, v in ci.items()}

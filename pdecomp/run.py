@@ -7,7 +7,6 @@ through `on_metrics`. Results land in `run_dir`: gate.json, summary.json, plots,
 from __future__ import annotations
 
 import dataclasses as dc
-import functools
 import json
 import math
 import time
@@ -25,11 +24,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
-from pdecomp import data, hardware, llama, metrics, plots, sharding, storage, targets
 from pdecomp import gate as gate_lib
+from pdecomp import hardware, hosts, metrics, plots, sharding, storage
 from pdecomp.checkpoint import Checkpointer, UnreadableCheckpoint
 from pdecomp.components import with_tied
-from pdecomp.config import ConfigError, RunConfig, tied_sites, validate
+from pdecomp.config import EVAL_SEED_OFFSET, ConfigError, RunConfig, tied_sites, validate
+from pdecomp.kinds import kind_of
 from pdecomp.train import TrainState, faithfulness_warmup, init_state, make_train_step
 from pdecomp.units import GiB, fmt_bytes
 
@@ -79,17 +79,15 @@ class Hooks:
     # blocks for reuse (hardware.keep_freed_host_memory: the toys' steps 40% faster) from
     # training on. A library caller's process is left as it was.
     keep_freed_host_memory: bool = False
-
-
-def is_main_process() -> bool:
-    """Rank 0 alone writes the run directory's files; every rank writes checkpoint shards."""
-    return jax.process_index() == 0
+    # Process-wide likewise: orbax's tracebacks for a checkpoint failure that the run
+    # reports itself are dropped (Checkpointer's `quiet`).
+    quiet_checkpoint_failures: bool = False
 
 
 def write_json(path: Path, obj: Any) -> None:
     """Write atomically: a reader never sees half a file; WriteFailed on a full disk. Rank 0
     only."""
-    if is_main_process():
+    if hosts.is_main_process():
         storage.write_text(path, json.dumps(obj, indent=1, default=_jsonable))
 
 
@@ -98,7 +96,7 @@ CONFIG_FILE = "config.yaml"  # the resolved RunConfig, which `pdecomp.runs.load_
 
 def write_config(cfg: RunConfig, run_dir: Path) -> None:
     """The resolved config as plain YAML (tuples as lists), atomically. Rank 0 only."""
-    if not is_main_process():
+    if not hosts.is_main_process():
         return
     plain = json.loads(json.dumps(dc.asdict(cfg)))
     storage.write_text(run_dir / CONFIG_FILE,
@@ -176,14 +174,7 @@ def preflight(cfg: RunConfig, run_dir: str | Path | None = None) -> None:
     sharding.check_target(cfg)
     if not sharding.is_deviceless(cfg):
         sharding.make_mesh(cfg)  # its checks: every process of the job has devices in it
-    if cfg.model.kind == "llama":
-        if cfg.model.path:
-            try:
-                llama.check_hf(cfg.model.path)
-            except llama.CheckpointError as e:
-                raise ConfigError("model.path", cfg.model.path, str(e)) from None
-        if not cfg.gate.only:  # the gate needs shapes only, not the data
-            token_stream(cfg)
+    kind_of(cfg.model).preflight(cfg)
     if run_dir is not None and not cfg.gate.only:
         check_resumable(cfg, Path(run_dir))
 
@@ -260,108 +251,15 @@ def _same(a: Any, b: Any) -> bool:
 
 def abstract_run(cfg: RunConfig, key: Array) -> tuple[Any, TrainState]:
     """The target and the training state as shapes: nothing allocated, nothing trained."""
-    target_abs = jax.eval_shape(
-        lambda k: targets.init_target(k, cfg.model, jnp.dtype(cfg.memory.target_dtype)), key)
+    target_abs = jax.eval_shape(lambda k: kind_of(cfg.model).init_target(
+        k, cfg.model, jnp.dtype(cfg.memory.target_dtype)), key)
     return target_abs, jax.eval_shape(lambda k, t: init_state(k, cfg, t), key, target_abs)
-
-
-@functools.lru_cache(maxsize=4)
-def _open_tokens(spec: data.TokenSpec) -> data.TokenStream:
-    return data.open_tokens(spec)
-
-
-EVAL_SEED_OFFSET = 10_000  # eval batches come from their own seed, not training's
-
-
-def token_stream(cfg: RunConfig, held_out: bool = False) -> data.TokenStream:
-    """The training stream, or the held-out one the final evaluation reads."""
-    d = cfg.data
-    spec = data.TokenSpec(d.source, d.path, d.token_dtype, d.column, d.seq_len,
-                          llama.arch(cfg.model).vocab_size, cfg.seed)
-    return _open_tokens(spec).split(d.eval_frac, cfg.seed + EVAL_SEED_OFFSET)[held_out]
-
-
-def batch_abstract(cfg: RunConfig, batch_size: int, batch_sharding: NamedSharding
-                   ) -> jax.ShapeDtypeStruct:
-    """A toy target's feature batch [B, n] or a Llama's token batch [B, T]."""
-    if cfg.model.kind == "llama":
-        return jax.ShapeDtypeStruct((batch_size, cfg.data.seq_len), jnp.int32,
-                                    sharding=batch_sharding)
-    return jax.ShapeDtypeStruct((batch_size, cfg.model.n_features), jnp.float32,
-                                sharding=batch_sharding)
-
-
-def batch_sampler(cfg: RunConfig, batch_sharding: NamedSharding, key: Array,
-                  held_out: bool = False) -> Callable[[int], Array]:
-    """step -> that step's global batch, already split on the data axis. Deterministic in
-    (seed, step), so a resumed run sees the same batches as an uninterrupted one. Toys draw
-    from `key`; a Llama reads the training or the held-out token stream."""
-    B = cfg.data.batch_size
-    if cfg.model.kind != "llama":
-        # fold_in inside the jit: one dispatch a step, not two (the host thread shares the
-        # cores with the step on a CPU)
-        sample = jax.jit(lambda k, i: targets.sample_inputs(jax.random.fold_in(k, i),
-                                                            cfg.model, B),
-                         out_shardings=batch_sharding)
-        return lambda i: sample(key, i)
-    stream = token_stream(cfg, held_out)
-    shape = (B, cfg.data.seq_len)
-    # Each host reads only the rows its own devices hold.
-    return lambda i: jax.make_array_from_callback(
-        shape, batch_sharding, lambda index: stream.rows(i, B, index[0]))
-
-
-TARGET_WAIT_S = 3600  # how long other ranks wait for rank 0 to train and cache a toy target
-
-
-def load_trained_target(model, log: Callable[[str], None]) -> tuple[Any, dict[str, Any]]:
-    """A trained target (a toy, a pathless Llama) from its cache. In a multi-process job
-    rank 0 trains and caches a missing one while the others wait for the cache entry, and then every process reads
-    that entry, so all hold the same weights (whoever won a race to write it). The wait is
-    on the file, not a collective: training can outlast any collective timeout, and a rank
-    0 that fails ends the job (srun --kill-on-bad-exit)."""
-    if jax.process_count() == 1:
-        return targets.load_or_train_target(model, log=log)
-    if is_main_process():
-        targets.load_or_train_target(model, log=log)
-    deadline = time.monotonic() + TARGET_WAIT_S
-    while not targets.is_cached(model):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"rank {jax.process_index()}: no trained target at "
-                               f"{targets.cache_path(model)} after {TARGET_WAIT_S}s; the "
-                               "cache ($PDECOMP_CACHE) must be on a file system every node "
-                               "of the job shares")
-        time.sleep(1.0)
-    return targets.load_or_train_target(model, log=lambda _: None)
-
-
-def any_process(flag: bool) -> bool:
-    """True on every process when `flag` is True on any (a collective: all must call it)."""
-    if jax.process_count() == 1:
-        return flag
-    from jax.experimental import multihost_utils
-
-    return bool(multihost_utils.process_allgather(np.int32(flag)).max())
 
 
 def load_target(cfg: RunConfig, target_abs: Any, log: Callable[[str], None]
                 ) -> tuple[Any, dict[str, Any]]:
-    """The frozen target, in its shardings. Toys and a pathless Llama with train_steps:
-    cached by their settings, trained and checked the first time. Llama: read from its HF
-    directory into place, or (no path, no training) random weights made in place."""
-    m, shardings = cfg.model, sharding.shardings(target_abs)
-    dtype = jnp.dtype(cfg.memory.target_dtype)
-    if m.kind != "llama" or not m.path and m.train_steps:
-        target, meta = load_trained_target(m, log)
-        if m.kind == "llama":
-            target = jax.tree.map(lambda w: w.astype(dtype), target)
-        return sharding.put_from_host(target, shardings), meta
-    if m.path:
-        log(f"loading {m.path} ({cfg.memory.target_dtype})")
-        return llama.load_hf(m.path, dtype, shardings), {"path": m.path}
-    log(f"model {m.name}: no model.path, random weights (seed {m.seed})")
-    init = jax.jit(lambda k: targets.init_target(k, m, dtype), out_shardings=shardings)
-    return init(jax.random.PRNGKey(m.seed)), {"seed": m.seed}
+    """The frozen target, in the shardings of `target_abs`, as its kind loads it."""
+    return kind_of(cfg.model).load(cfg, sharding.shardings(target_abs), log)
 
 
 @dataclass
@@ -400,13 +298,13 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
     if hooks.keep_freed_host_memory and jax.default_backend() == "cpu":
         hardware.keep_freed_host_memory()
     target, target_meta = load_target(cfg, g.target_abs, hooks.log)
-    ckpt = Checkpointer(run_dir / "checkpoints", writer=True)
+    ckpt = Checkpointer(run_dir / "checkpoints", writer=True,
+                        quiet=hooks.quiet_checkpoint_failures)
     state, start = initial_state(cfg, g, target, ckpt, hooks.log)
     state, history = train(cfg, g, target, state, start, ckpt, run_dir, hooks)
 
-    summary = evaluate(cfg, target, state, run_dir, g.batch_sharding)
-    if cfg.logging.plots and history and is_main_process():
-        summary["plots/history"] = str(plots.plot_history(history, run_dir / "history.png"))
+    summary, ci = evaluate(cfg, target, state, g.batch_sharding)
+    summary.update(draw(cfg, target, state, ci, history, run_dir))
     last = history[-1] if history else {}
     summary.update({k: v for k, v in last.items() if k.startswith(("loss/", "perf/"))})
     summary["steps"] = int(state.step)
@@ -445,7 +343,7 @@ def gate(cfg: RunConfig, run_dir: Path, hooks: Hooks) -> Gated:
 
     def parts_at(batch_size: int) -> dict[str, int]:
         return argument_parts(cfg, target_abs, state_abs,
-                              batch_abstract(cfg, batch_size, batch_sharding))
+                              kind_of(cfg.model).batch_abstract(cfg, batch_size, batch_sharding))
 
     def floor_at(batch_size: int) -> dict[str, Any]:
         parts = parts_at(batch_size)
@@ -456,7 +354,7 @@ def gate(cfg: RunConfig, run_dir: Path, hooks: Hooks) -> Gated:
 
     def compile_at(batch_size: int):
         compiled, report = gate_lib.compile_and_report(
-            step_fn, (state_abs, target_abs, batch_abstract(cfg, batch_size, batch_sharding)),
+            step_fn, (state_abs, target_abs, kind_of(cfg.model).batch_abstract(cfg, batch_size, batch_sharding)),
             donate_argnums=(0,) if cfg.memory.donate else (),
             out_shardings=(sharding.shardings(state_abs), NamedSharding(mesh, P())),
             parts=parts_at(batch_size), top_temps=cfg.gate.top_temps, detach=detach, **where)
@@ -525,7 +423,7 @@ def train(cfg: RunConfig, g: Gated, target: Any, state: TrainState, start: int,
     calibration (once, gate.calibrate_after steps in), progress, the stop check (every
     logging.stop_check_every) and the checkpoint (every logging.ckpt_every, the last, a
     stop). Returns the final state and the metrics history."""
-    sample = batch_sampler(cfg, g.batch_sharding, g.data_key)
+    sample = kind_of(cfg.model).batch_sampler(cfg, g.batch_sharding, g.data_key)
     # With more simulated CPU devices than cores, in-flight steps can starve the collective
     # rendezvous of threads; waiting on each step avoids that.
     sync_each = jax.default_backend() == "cpu" and g.mesh.size > 1
@@ -550,7 +448,7 @@ def train(cfg: RunConfig, g: Gated, target: Any, state: TrainState, start: int,
         if hooks.progress:
             hooks.progress(done, steps, log.last)
         stop = (hooks.should_stop is not None and done % cfg.logging.stop_check_every == 0
-                and any_process(hooks.should_stop()))
+                and hosts.any_process(hooks.should_stop()))
         if done % ckpt_every == 0 or done == steps or stop:
             checkpoint(ckpt, run_dir, done, state, log.history)
         if stop and done < steps:
@@ -594,8 +492,8 @@ class MetricsLog:
         n_steps = done - max(self.history[-1]["step"] if self.history else 0, self.start)
         last["perf/step_s"] = (now - self.t_log) / n_steps
         last["perf/examples_per_s"] = cfg.data.batch_size / last["perf/step_s"]
-        if cfg.model.kind == "llama":
-            last["perf/tokens_per_s"] = last["perf/examples_per_s"] * cfg.data.seq_len
+        if tokens := kind_of(cfg.model).tokens_per_example(cfg):
+            last["perf/tokens_per_s"] = last["perf/examples_per_s"] * tokens
         self.t_log = now
         last["hbm/predicted_peak_gib"] = g.report["peak_bytes"] / GiB
         if measured := measured_memory(g.mesh):
@@ -617,47 +515,36 @@ def checkpoint(ckpt: Checkpointer, run_dir: Path, step: int, state: TrainState,
     ckpt.save(step, state)
 
 
-def evaluate(cfg: RunConfig, target, state: TrainState, run_dir: Path,
-             batch_sharding: NamedSharding) -> dict[str, Any]:
-    """Final metrics on fresh batches, the ground-truth match (toys) or CE/KL per mask type
-    (LMs), and the plots."""
-    thr = cfg.loss.ci_threshold
-    components = with_tied(state.components, tied_sites(cfg))
+def evaluate(cfg: RunConfig, target, state: TrainState, batch_sharding: NamedSharding
+             ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """Final metrics on fresh held-out batches: live components and L0 per site, then the
+    kind's own (the ground-truth match of a toy, CE/KL per mask type of an LM). Numbers
+    only; also the per-site CI summary that `draw` plots."""
+    kind = kind_of(cfg.model)
     eval_key = jax.random.PRNGKey(cfg.seed + EVAL_SEED_OFFSET)
-    sample = batch_sampler(cfg, batch_sharding, eval_key, held_out=True)
+    sample = kind.batch_sampler(cfg, batch_sharding, eval_key, held_out=True)
     batches = [sample(i) for i in range(cfg.data.eval_batches)]
     replicated = NamedSharding(batch_sharding.mesh, P())
-    ci_fn = state.ci_fn
-    if cfg.model.kind != "llama":
-        # The toys' ground-truth metrics read weights and CI on the host: every process
-        # needs its whole copy (they are tiny), also when the state is split across
-        # processes (FSDP).
-        target, components, ci_fn = jax.jit(lambda t: t, out_shardings=replicated)(
-            (target, components, ci_fn))
-    ci = metrics.ci_summary(target, components, ci_fn, batches, thr, replicated)
+    target, components, ci_fn = kind.for_evaluation(
+        (target, with_tied(state.components, tied_sites(cfg)), state.ci_fn), replicated)
+    ci = metrics.ci_summary(target, components, ci_fn, batches, cfg.loss.ci_threshold,
+                            replicated)
     summary: dict[str, Any] = {}
     for s, v in ci.items():
         summary[f"live/{s}"] = v["live"]
         summary[f"l0/{s}"] = v["l0"]
-    if cfg.model.kind == "llama":
-        summary.update(metrics.lm_mask_metrics(
-            target, components, ci_fn, batches, eval_key, thr, cfg.layers.delta,
-            jnp.dtype(cfg.memory.compute_dtype), cfg.loss.eval_pgd))
-    elif isinstance(target, targets.TMS):
-        summary.update(metrics.tms_ground_truth(
-            target, components, {s: v["max_ci"] > thr for s, v in ci.items()}))
-        summary.update(metrics.one_hot_live(target, components, ci_fn, thr))
-    else:
-        summary.update(metrics.resid_one_to_one(target, components, ci_fn, thr))
-    if cfg.logging.plots and is_main_process():
-        summary["plots/mean_ci"] = str(plots.plot_mean_ci(ci, run_dir / "mean_ci.png", thr))
-        if isinstance(target, targets.TMS) and target.W.shape[1] == 2 \
-                and "linear1" in components.sites:
-            comp = components.sites["linear1"]
-            V, U = np.asarray(comp.V), np.asarray(comp.U)
-            scale = V[np.abs(V).argmax(0), np.arange(V.shape[1])]
-            rows = U * scale[:, None]
-            summary["plots/tms_directions"] = str(plots.plot_tms_directions(
-                np.asarray(target.W), rows, ci["linear1"]["max_ci"] > thr,
-                run_dir / "tms_directions.png"))
-    return summary
+    summary.update(kind.evaluate(cfg, target, components, ci_fn, batches, eval_key, ci))
+    return summary, ci
+
+
+def draw(cfg: RunConfig, target, state: TrainState, ci: dict[str, dict[str, Any]],
+         history: list[dict[str, float]], run_dir: Path) -> dict[str, str]:
+    """The result's plots (rank 0, `logging.plots`): summary key -> file drawn."""
+    if not cfg.logging.plots or not hosts.is_main_process():
+        return {}
+    thr = cfg.loss.ci_threshold
+    out = {"plots/mean_ci": str(plots.plot_mean_ci(ci, run_dir / "mean_ci.png", thr))}
+    if history:
+        out["plots/history"] = str(plots.plot_history(history, run_dir / "history.png"))
+    components = with_tied(state.components, tied_sites(cfg))
+    return out | kind_of(cfg.model).plots(target, components, ci, thr, run_dir)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -22,7 +23,7 @@ import numpy as np
 import optax
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from pdecomp import data, llama, losses, threefry
+from pdecomp import data, hosts, llama, losses, threefry
 from pdecomp.components import LinearFn, frozen_linear
 from pdecomp.config import ModelConfig, site_names_of
 
@@ -319,3 +320,28 @@ def load_or_train_target(cfg: ModelConfig, log: Callable[[str], None] = print,
         import shutil
         shutil.rmtree(tmp, ignore_errors=True)
     return target, meta
+
+
+TARGET_WAIT_S = 3600  # how long other ranks wait for rank 0 to train and cache a target
+
+
+def load_shared_target(cfg: ModelConfig, log: Callable[[str], None]
+                       ) -> tuple[Target, dict[str, object]]:
+    """`load_or_train_target` for a job of one or many processes. In a multi-process job
+    rank 0 trains and caches a missing target while the others wait for the cache entry,
+    and then every process reads that entry, so all hold the same weights (whoever won a
+    race to write it). The wait is on the file, not a collective: training can outlast any
+    collective timeout, and a rank 0 that fails ends the job (srun --kill-on-bad-exit)."""
+    if jax.process_count() == 1:
+        return load_or_train_target(cfg, log=log)
+    if hosts.is_main_process():
+        load_or_train_target(cfg, log=log)
+    deadline = time.monotonic() + TARGET_WAIT_S
+    while not is_cached(cfg):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rank {jax.process_index()}: no trained target at "
+                               f"{cache_path(cfg)} after {TARGET_WAIT_S}s; the cache "
+                               "($PDECOMP_CACHE) must be on a file system every node of the "
+                               "job shares")
+        time.sleep(1.0)
+    return load_or_train_target(cfg, log=lambda _: None)

@@ -38,6 +38,7 @@ from pdecomp.components import (
     with_tied,
 )
 from pdecomp.config import OptGroupConfig, PGDConfig, RunConfig, site_C, tied_sites
+from pdecomp.kinds import kind_of
 from pdecomp.masks import (
     Plan,
     Positions,
@@ -150,12 +151,6 @@ def pgd_source_shape(scope: str, pos: tuple[int, ...], C: int) -> tuple[int, ...
     return PGD_SCOPES[scope](pos, C)
 
 
-def batch_positions(cfg: RunConfig) -> tuple[int, ...]:
-    """The leading (position) shape of site inputs: [B] for toys, [B, T] for LMs."""
-    B = cfg.data.batch_size
-    return (B, cfg.data.seq_len) if cfg.model.kind == "llama" else (B,)
-
-
 def pgd_lr(pgd: PGDConfig, total_steps: int) -> optax.Schedule:
     return schedule(OptGroupConfig(lr=pgd.lr, schedule="constant",
                                    warmup_frac=pgd.warmup_frac), total_steps)
@@ -234,7 +229,7 @@ def init_state(key: PRNGKeyArray, cfg: RunConfig, target) -> TrainState:
     adversary = None
     if cfg.loss.pgd.coeff > 0:
         k_run, k_adv = jax.random.split(k_run)
-        pos = batch_positions(cfg)
+        pos = kind_of(cfg.model).positions(cfg, cfg.data.batch_size)
         keys = jax.random.split(k_adv, len(C))
         sources = {s: jax.random.uniform(k, pgd_source_shape(cfg.loss.pgd.scope, pos, c))
                    for k, (s, c) in zip(keys, C.items())}

@@ -15,7 +15,7 @@ import pytest
 from conftest import ok, pdecomp
 
 from pdecomp import analyze, metrics
-from pdecomp.run import token_stream
+from pdecomp.lm import token_stream
 from pdecomp.runs import load_run
 
 QUIET = ["logging.wandb=false", "logging.progress=false", "logging.plots=false"]

@@ -32,7 +32,7 @@ def test_compose_run_load_gives_the_runs_results(cache, tmp_path: Path) -> None:
 
     # The run's final evaluation, recomputed from what was loaded: the same CI on the same
     # held-out batches, the same ground-truth match (bit for bit: the same state).
-    again = evaluate(cfg, run.target, run.state, tmp_path, NamedSharding(run.mesh, P("data")))
+    again, _ = evaluate(cfg, run.target, run.state, NamedSharding(run.mesh, P("data")))
     assert again == {k: summary[k] for k in again}
 
     # The masked forward of the loaded components: with the CI's masks (rounded at the

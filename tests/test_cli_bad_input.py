@@ -198,9 +198,9 @@ def test_the_seed_rule_accepts_the_same_seeds_for_every_model_kind(seed: int) ->
 
     from test_lm import tiny_cfg
 
-    from pdecomp.config import ModelConfig, RunConfig, validate
+    from pdecomp.config import ResidMLPConfig, RunConfig, validate
 
-    resid = RunConfig(model=ModelConfig(name="resid", kind="resid_mlp", n_features=10,
+    resid = RunConfig(model=ResidMLPConfig(name="resid", n_features=10,
                                         d_hidden=10, d_embed=100),
                       layers=dataclasses.replace(RunConfig().layers,
                                                  sites=["layers.0.mlp_in", "layers.0.mlp_out"]))

@@ -90,11 +90,11 @@ def test_findings_table_keeps_site_names_whole_on_a_narrow_console(
     from rich.console import Console
 
     from launcher import job
-    from pdecomp.config import ModelConfig, RunConfig
+    from pdecomp.config import ResidMLPConfig, RunConfig
 
     base = RunConfig()
     sites = ["layers.0.mlp_in", "layers.0.mlp_out"]
-    cfg = dc.replace(base, model=ModelConfig(kind="resid_mlp", name="resid_mlp1"),
+    cfg = dc.replace(base, model=ResidMLPConfig(name="resid_mlp1"),
                      layers=dc.replace(base.layers, sites=sites, C=100, tie=False))
     out = io.StringIO()
     monkeypatch.setattr(job, "console", Console(file=out, width=80))  # a log file's width

@@ -52,15 +52,15 @@ def test_imp_min_and_train_steps_match_on_1_and_8_devices():
 FSDP_SCRIPT = textwrap.dedent("""
     import json, sys, dataclasses as dc
     import jax
-    from pdecomp.config import RunConfig
+    from pdecomp.config import ResidMLPConfig, RunConfig
     from pdecomp.run import decompose
 
     base = RunConfig()
     out = {}
     for shard in (False, True):
         cfg = dc.replace(base,
-            model=dc.replace(base.model, kind="resid_mlp", name="rm", n_features=16,
-                             d_embed=64, d_hidden=32, train_steps=200, cache_dir=sys.argv[1]),
+            model=ResidMLPConfig(name="rm", n_features=16, d_embed=64, d_hidden=32,
+                                 train_steps=200, cache_dir=sys.argv[1]),
             layers=dc.replace(base.layers, sites=["layers.0.mlp_in", "layers.0.mlp_out"], C=16),
             optim=dc.replace(base.optim, steps=6, faith_warmup_steps=5),
             data=dc.replace(base.data, batch_size=256, eval_batches=1),

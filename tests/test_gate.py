@@ -88,15 +88,14 @@ def test_tree_bytes_counts_per_shard():
 ARG_BYTES_SCRIPT = textwrap.dedent("""
     import dataclasses as dc, json, sys
     import jax
-    from pdecomp.config import RunConfig
+    from pdecomp.config import ResidMLPConfig, RunConfig
     from pdecomp.run import decompose
     from pdecomp.targets import init_target
     from pdecomp.train import init_state
 
     base = RunConfig()
     cfg = dc.replace(base,
-        model=dc.replace(base.model, kind="resid_mlp", name="rm", n_features=16, d_embed=64,
-                         d_hidden=32),
+        model=ResidMLPConfig(name="rm", n_features=16, d_embed=64, d_hidden=32),
         layers=dc.replace(base.layers, sites=["layers.0.mlp_in", "layers.0.mlp_out"], C=16),
         data=dc.replace(base.data, batch_size=256),
         mesh=dc.replace(base.mesh, shard_state=True),

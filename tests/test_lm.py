@@ -23,8 +23,8 @@ from pdecomp.config import (
     DataConfig,
     EvalPGDConfig,
     LayersConfig,
+    LlamaModelConfig,
     LossConfig,
-    ModelConfig,
     OptimConfig,
     PGDConfig,
     ReconTermConfig,
@@ -39,7 +39,7 @@ SITES = [f"layers.{i}.mlp.{w}" for i in (1, 2) for w in ("gate_proj", "up_proj",
 
 
 def tiny_cfg(scope: str = "batch_shared", optimizer: str = "adam", **memory) -> RunConfig:
-    model = ModelConfig(name="llama_t", kind="llama", vocab_size=64, d_embed=32, n_layers=4,
+    model = LlamaModelConfig(name="llama_t", vocab_size=64, d_embed=32, n_layers=4,
                         d_mlp=48, n_heads=4, n_kv_heads=2,
                         rope_scaling={"rope_type": "llama3", "factor": 8.0,
                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pdecomp.components import Components, SiteComponents
-from pdecomp.config import ModelConfig
+from pdecomp.config import TMSConfig
 from pdecomp.metrics import tms_ground_truth
 from pdecomp.targets import init_target
 
@@ -22,7 +22,7 @@ def _perfect(W: jnp.ndarray, C: int, scale: float = 1.0) -> Components:
 
 
 def test_perfect_tms_decomposition_scores_one():
-    t = init_target(jax.random.PRNGKey(0), ModelConfig(n_features=5, d_hidden=2))
+    t = init_target(jax.random.PRNGKey(0), TMSConfig(n_features=5, d_hidden=2))
     out = tms_ground_truth(t, _perfect(t.W, 20))
     for site in ("linear1", "linear2"):
         assert out[f"mmcs/{site}"] == pytest.approx(1.0, abs=1e-6)
@@ -30,14 +30,14 @@ def test_perfect_tms_decomposition_scores_one():
 
 
 def test_ml2r_sees_the_scale_and_mmcs_does_not():
-    t = init_target(jax.random.PRNGKey(0), ModelConfig(n_features=5, d_hidden=2))
+    t = init_target(jax.random.PRNGKey(0), TMSConfig(n_features=5, d_hidden=2))
     out = tms_ground_truth(t, _perfect(t.W, 20, scale=0.5))
     assert out["mmcs/linear1"] == pytest.approx(1.0, abs=1e-6)
     assert out["ml2r/linear1"] == pytest.approx(0.5, abs=1e-6)
 
 
 def test_merged_features_lower_mmcs_and_live_mask_excludes_dead_components():
-    t = init_target(jax.random.PRNGKey(0), ModelConfig(n_features=5, d_hidden=2))
+    t = init_target(jax.random.PRNGKey(0), TMSConfig(n_features=5, d_hidden=2))
     comps = _perfect(t.W, 20)
     c1 = comps.sites["linear1"]
     # component 0 now carries features 0 and 1 together (feature 1's own component is dead)

@@ -20,7 +20,7 @@ from pdecomp.components import (
     masked_linear,
     weight_deltas,
 )
-from pdecomp.config import ModelConfig, RunConfig
+from pdecomp.config import RunConfig, TMSConfig
 from pdecomp.masks import make_plan, masks_from_sources, sample_routing, sample_source
 from pdecomp.targets import TMS, init_target
 
@@ -87,7 +87,7 @@ def test_sources_are_in_range_and_binomial_is_binary():
 
 
 def _tms(n=5, m=2, hidden=0):
-    return init_target(jax.random.PRNGKey(0), ModelConfig(n_features=n, d_hidden=m,
+    return init_target(jax.random.PRNGKey(0), TMSConfig(n_features=n, d_hidden=m,
                                                           n_hidden_layers=hidden))
 
 

@@ -11,11 +11,11 @@ import pytest
 
 from pdecomp import targets
 from pdecomp.checkpoint import Checkpointer
-from pdecomp.config import ModelConfig, RunConfig
+from pdecomp.config import RunConfig, TMSConfig
 from pdecomp.gate import abstract
 from pdecomp.train import init_state, make_train_step
 
-SMALL = ModelConfig(name="tms_small", train_steps=600, train_batch_size=512)
+SMALL = TMSConfig(name="tms_small", train_steps=600, train_batch_size=512)
 
 
 def test_state_round_trips_through_a_checkpoint(tmp_path):
@@ -64,7 +64,7 @@ def test_target_is_cached_by_its_settings(tmp_path):
 
 
 def test_feature_check_finds_a_dropped_feature():
-    cfg = ModelConfig()
+    cfg = TMSConfig()
     t = targets.init_target(jax.random.PRNGKey(0), cfg)
     t = dc.replace(t, W=jnp.ones_like(t.W).at[3].set(0.0))  # feature 3 dropped
     report = targets.feature_report(t, cfg)

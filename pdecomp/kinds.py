@@ -1,0 +1,125 @@
+"""What a model kind owns: its sites, its batches, how its target is checked, loaded and
+evaluated.
+
+The core (config, run, train, the launcher) asks the run's kind, `kind_of(cfg.model)`,
+instead of switching on `model.kind`. A new kind is one module with a `Kind` subclass and
+one entry in `KINDS` (name -> where it lives, imported when first asked for); `model.kind`
+then allows its name.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+from jaxtyping import Array
+
+from pdecomp.config import ModelConfig, RunConfig
+
+# name -> "module:attribute" of its Kind instance
+KINDS: dict[str, str] = {
+    "tms": "pdecomp.toys:TMS_KIND",
+    "resid_mlp": "pdecomp.toys:RESID_MLP_KIND",
+    "llama": "pdecomp.lm:LLAMA_KIND",
+}
+
+
+class Kind:
+    """One model kind's answers. Subclasses set the class attributes and implement the
+    methods that raise NotImplementedError; the others have the common answer."""
+
+    # its config's fields (a ModelConfig subclass); the schema of its `model/` options
+    schema: type[ModelConfig] = ModelConfig
+    # the output distance its recon terms compare with (a name in losses.DISTANCES), and
+    # why another is refused
+    distance: str = "mse"
+    distance_why: str = "it outputs vectors"
+    # what `data.source` it reads
+    data_sources: tuple[str, ...] = ("toy",)
+    # the model's fields that must be > 0 (0 allowed for those in `zero_ok`)
+    positive: tuple[str, ...] = ()
+    zero_ok: tuple[str, ...] = ()
+
+    def site_names(self, model: ModelConfig) -> tuple[str, ...]:
+        """The target's sites in their fixed, documented order."""
+        raise NotImplementedError
+
+    def validate(self, model: ModelConfig) -> None:
+        """Checks of `model.*` that types cannot express (ConfigError)."""
+        from pdecomp.config import _positive
+
+        for key in self.positive:
+            _positive(f"model.{key}", getattr(model, key), zero_ok=key in self.zero_ok)
+
+    def validate_data(self, cfg: RunConfig) -> None:
+        """Checks of the data this run reads, before anything is made (ConfigError)."""
+
+    def preflight(self, cfg: RunConfig) -> None:
+        """Checks that read files the job needs (a checkpoint's tensors, the token stream)."""
+
+    def tied_sites(self, cfg: RunConfig) -> dict[str, str]:
+        """follower -> leader for the decomposed sites whose weights the target ties."""
+        return {}
+
+    def init_target(self, key: Array, model: ModelConfig, dtype: Any) -> Any:
+        """A target of the right shapes with fresh weights (the gate's abstract target)."""
+        raise NotImplementedError
+
+    def positions(self, cfg: RunConfig, batch_size: int) -> tuple[int, ...]:
+        """The leading (position) shape of a batch's site inputs."""
+        return (batch_size,)
+
+    def tokens_per_example(self, cfg: RunConfig) -> int:
+        """Tokens in one example (0: its inputs are not tokens)."""
+        return 0
+
+    def batch_abstract(self, cfg: RunConfig, batch_size: int, sharding: NamedSharding
+                       ) -> jax.ShapeDtypeStruct:
+        """One batch as a shape, split by `sharding`."""
+        raise NotImplementedError
+
+    def batch_sampler(self, cfg: RunConfig, sharding: NamedSharding, key: Array,
+                      held_out: bool = False) -> Callable[[int], Array]:
+        """step -> that step's global batch, already split by `sharding`; deterministic in
+        (seed, step), so a resumed run sees the batches an uninterrupted one saw."""
+        raise NotImplementedError
+
+    def load(self, cfg: RunConfig, shardings: Any, log: Callable[[str], None]
+             ) -> tuple[Any, dict[str, Any]]:
+        """The frozen target in `shardings`, and what says where it came from."""
+        raise NotImplementedError
+
+    def for_evaluation(self, trees: Any, replicated: NamedSharding) -> Any:
+        """The target, components and CI function as `evaluate` reads them."""
+        return trees
+
+    def evaluate(self, cfg: RunConfig, target: Any, components: Any, ci_fn: Any,
+                 batches: list[Array], key: Array, ci: dict[str, dict[str, Any]]
+                 ) -> dict[str, Any]:
+        """The kind's own final metrics (besides every kind's live/L0 per site): numbers."""
+        return {}
+
+    def plots(self, target: Any, components: Any, ci: dict[str, dict[str, Any]], thr: float,
+              run_dir: Any) -> dict[str, str]:
+        """The kind's own plots of the result: summary key -> file drawn."""
+        return {}
+
+
+_resolved: dict[str, Kind] = {}
+
+
+def kind_of(model: ModelConfig | str) -> Kind:
+    """The Kind of `model` (or of that kind name); ConfigError naming the allowed kinds for
+    an unknown one."""
+    name = model if isinstance(model, str) else model.kind
+    if name not in _resolved:
+        if name not in KINDS:
+            from pdecomp.config import ConfigError
+
+            raise ConfigError("model.kind", name, f"allowed: {', '.join(KINDS)}")
+        module, attr = KINDS[name].split(":")
+        _resolved[name] = getattr(importlib.import_module(module), attr)
+    return _resolved[name]

@@ -1,0 +1,171 @@
+"""The Llama kind: a language model read from a Hugging Face directory (or, without one, a
+Llama of the preset's shapes, trained on the synthetic language or left random), fed token
+windows from a stream, compared by KL, evaluated by CE/KL with every site masked."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jaxtyping import Array
+
+from pdecomp import data, llama, metrics, sharding, targets
+from pdecomp.config import (
+    EVAL_SEED_OFFSET,
+    LLAMA_ATTN,
+    LLAMA_MLP,
+    ConfigError,
+    LlamaModelConfig,
+    ModelConfig,
+    RunConfig,
+    _positive,
+    rope_problem,
+)
+from pdecomp.kinds import Kind
+
+
+def n_layers(model: ModelConfig) -> int:
+    """Layers of a Llama: from config.json when a path is given, else `model.n_layers`."""
+    if not model.path:
+        return model.n_layers
+    cfg_file = Path(model.path) / "config.json"
+    try:
+        return int(json.loads(cfg_file.read_text())["num_hidden_layers"])
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError("model.path", model.path,
+                          f"must be a Hugging Face model directory with a readable config.json "
+                          f"({type(e).__name__}: {e})") from None
+
+
+@functools.lru_cache(maxsize=4)
+def _open_tokens(spec: data.TokenSpec) -> data.TokenStream:
+    return data.open_tokens(spec)
+
+
+def token_stream(cfg: RunConfig, held_out: bool = False) -> data.TokenStream:
+    """The training stream, or the held-out one the final evaluation reads."""
+    d = cfg.data
+    spec = data.TokenSpec(d.source, d.path, d.token_dtype, d.column, d.seq_len,
+                          llama.arch(cfg.model).vocab_size, cfg.seed)
+    return _open_tokens(spec).split(d.eval_frac, cfg.seed + EVAL_SEED_OFFSET)[held_out]
+
+
+class LlamaKind(Kind):
+    schema = LlamaModelConfig
+    distance = "kl"
+    distance_why = "a language model's outputs are next-token distributions"
+    data_sources = ("synthetic", "tokens", "hf_dataset")
+    # a pathless Llama with no training steps keeps its random weights
+    positive = ("d_embed", "n_layers", "train_steps", "train_batch_size", "train_lr")
+    zero_ok = ("train_steps",)
+
+    def site_names(self, model: ModelConfig) -> tuple[str, ...]:
+        """By layer, attention q/k/v/o then MLP gate/up/down, named by HF module path."""
+        return tuple(f"layers.{i}.{part}.{w}" for i in range(n_layers(model))
+                     for part, ws in (("self_attn", LLAMA_ATTN), ("mlp", LLAMA_MLP)) for w in ws)
+
+    def validate(self, model: ModelConfig) -> None:
+        super().validate(model)
+        m = model
+        if m.path:
+            n_layers(m)  # a readable config.json
+            # A model this loader computes, and every tensor there with its shape (headers).
+            try:
+                llama.check_hf(m.path)
+            except llama.CheckpointError as e:
+                raise ConfigError("model.path", m.path, str(e)) from None
+            return
+        for key in ("vocab_size", "d_mlp", "n_heads", "n_kv_heads"):
+            _positive(f"model.{key}", getattr(m, key))
+        _positive("model.head_dim", m.head_dim, zero_ok=True)
+        _positive("model.rope_theta", m.rope_theta)
+        if m.n_heads % m.n_kv_heads:
+            raise ConfigError("model.n_kv_heads", m.n_kv_heads,
+                              f"must divide model.n_heads ({m.n_heads})")
+        if not m.head_dim and m.d_embed % m.n_heads:
+            raise ConfigError("model.n_heads", m.n_heads, f"must divide model.d_embed "
+                              f"({m.d_embed}) unless model.head_dim is set")
+        if odd := [n for n in m.attn_bias if n not in LLAMA_ATTN]:
+            raise ConfigError("model.attn_bias", odd[0], f"allowed: {', '.join(LLAMA_ATTN)}")
+        _positive("model.sliding_window", m.sliding_window, zero_ok=True)
+        if problem := rope_problem(m.rope_scaling):
+            name, value, allowed = problem
+            raise ConfigError(f"model.rope_scaling.{name}", value, allowed)
+
+    def validate_data(self, cfg: RunConfig) -> None:
+        """The token source opened as the run will open it, every id checked against the
+        vocab and the dtype against its sidecar (pdecomp.data), so a bad file ends here,
+        before the launcher makes anything. The scan is kept per file, so the job reads it
+        once more at most (not at all when it runs in the launcher's process)."""
+        d, m = cfg.data, cfg.model
+        if d.source not in ("tokens", "hf_dataset") or cfg.gate.only:
+            return
+        spec = data.TokenSpec(d.source, d.path, d.token_dtype, d.column, d.seq_len,
+                              llama.arch(m).vocab_size, cfg.seed)
+        data.open_tokens(spec).split(d.eval_frac, cfg.seed)
+
+    def preflight(self, cfg: RunConfig) -> None:
+        m = cfg.model
+        if m.path:
+            try:
+                llama.check_hf(m.path)
+            except llama.CheckpointError as e:
+                raise ConfigError("model.path", m.path, str(e)) from None
+        if not cfg.gate.only:  # the gate needs shapes only, not the data
+            token_stream(cfg)
+
+    def init_target(self, key: Array, model: ModelConfig, dtype: Any) -> Any:
+        return llama.init_llama(key, llama.arch(model), dtype)
+
+    def positions(self, cfg: RunConfig, batch_size: int) -> tuple[int, ...]:
+        return (batch_size, cfg.data.seq_len)
+
+    def tokens_per_example(self, cfg: RunConfig) -> int:
+        return cfg.data.seq_len
+
+    def batch_abstract(self, cfg: RunConfig, batch_size: int, sharding: NamedSharding
+                       ) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((batch_size, cfg.data.seq_len), jnp.int32,
+                                    sharding=sharding)
+
+    def batch_sampler(self, cfg: RunConfig, sharding: NamedSharding, key: Array,
+                      held_out: bool = False) -> Callable[[int], Array]:
+        del key  # the stream is seeded by the run's seed
+        stream = token_stream(cfg, held_out)
+        B = cfg.data.batch_size
+        shape = (B, cfg.data.seq_len)
+        # Each host reads only the rows its own devices hold.
+        return lambda i: jax.make_array_from_callback(
+            shape, sharding, lambda index: stream.rows(i, B, index[0]))
+
+    def load(self, cfg: RunConfig, shardings: Any, log: Callable[[str], None]
+             ) -> tuple[Any, dict[str, Any]]:
+        """Read from its HF directory into place; without a path, trained on the synthetic
+        language and cached like a toy, or (no training steps) random weights made in place."""
+        m, dtype = cfg.model, jnp.dtype(cfg.memory.target_dtype)
+        if m.path:
+            log(f"loading {m.path} ({cfg.memory.target_dtype})")
+            return llama.load_hf(m.path, dtype, shardings), {"path": m.path}
+        if m.train_steps:
+            target, meta = targets.load_shared_target(m, log)
+            target = jax.tree.map(lambda w: w.astype(dtype), target)
+            return sharding.put_from_host(target, shardings), meta
+        log(f"model {m.name}: no model.path, random weights (seed {m.seed})")
+        init = jax.jit(lambda k: self.init_target(k, m, dtype), out_shardings=shardings)
+        return init(jax.random.PRNGKey(m.seed)), {"seed": m.seed}
+
+    def evaluate(self, cfg: RunConfig, target: Any, components: Any, ci_fn: Any,
+                 batches: list[Array], key: Array, ci: dict[str, dict[str, Any]]
+                 ) -> dict[str, Any]:
+        return metrics.lm_mask_metrics(
+            target, components, ci_fn, batches, key, cfg.loss.ci_threshold, cfg.layers.delta,
+            jnp.dtype(cfg.memory.compute_dtype), cfg.loss.eval_pgd)
+
+
+LLAMA_KIND = LlamaKind()
