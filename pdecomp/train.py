@@ -195,6 +195,19 @@ def optimizer(g: OptGroupConfig, total_steps: int) -> optax.GradientTransformati
     return optax.chain(optax.clip_by_global_norm(g.clip_norm), adamw) if g.clip_norm else adamw
 
 
+class Optimizers(NamedTuple):
+    """The two optimizers of a step: the components' and the CI function's."""
+
+    components: optax.GradientTransformation
+    ci_fn: optax.GradientTransformation
+
+    @staticmethod
+    def from_config(cfg: RunConfig) -> Optimizers:
+        """`optim.components` and `optim.ci_fn`: AdamW on their schedules, clipped."""
+        return Optimizers(optimizer(cfg.optim.components, cfg.optim.steps),
+                          optimizer(cfg.optim.ci_fn, cfg.optim.steps))
+
+
 def site_shapes(target) -> dict[str, tuple[int, int]]:
     return {s: tuple(W.shape) for s, W in target.site_weights().items()}
 
@@ -218,8 +231,11 @@ def apply_component_updates(cfg: RunConfig, components: Components,
     return optax.apply_updates(components, fold_tied(updates, tied_sites(cfg)))
 
 
-def init_state(key: PRNGKeyArray, cfg: RunConfig, target) -> TrainState:
-    """Fresh components and CI function for `target` (pure: usable under eval_shape)."""
+def init_state(key: PRNGKeyArray, cfg: RunConfig, target,
+               optimizers: Optimizers | None = None) -> TrainState:
+    """Fresh components and CI function for `target`, and the moments of `optimizers` (the
+    config's when None; pure: usable under eval_shape)."""
+    opts = optimizers or Optimizers.from_config(cfg)
     C = site_C(cfg)
     shapes = site_shapes(target)
     k_comp, k_ci, k_run = jax.random.split(key, 3)
@@ -236,9 +252,8 @@ def init_state(key: PRNGKeyArray, cfg: RunConfig, target) -> TrainState:
         adversary = Adversary(sources, _PGD_ADAM.init(sources))
     return TrainState(
         step=jnp.zeros((), jnp.int32), components=components, ci_fn=ci_fn,
-        comp_opt=optimizer(cfg.optim.components, cfg.optim.steps).init(
-            optimized_components(cfg, components)),
-        ci_opt=optimizer(cfg.optim.ci_fn, cfg.optim.steps).init(ci_fn), adversary=adversary,
+        comp_opt=opts.components.init(optimized_components(cfg, components)),
+        ci_opt=opts.ci_fn.init(ci_fn), adversary=adversary,
         key=k_run)
 
 
@@ -274,6 +289,15 @@ def faithfulness_warmup(cfg: RunConfig, components: Components, target) -> Compo
     return run(components, weights)
 
 
+class Trainable(NamedTuple):
+    """What the step's one backward differentiates."""
+
+    components: Components  # as the optimizer steps them (`optimized_components`)
+    ci_fn: CIFunction
+    sources: dict[str, Array] | None  # the adversary's (None: no PGD term)
+    deltas: dict[str, Array]  # W - V@U per site, pulled back through V@U afterwards
+
+
 class Observed(NamedTuple):
     """What the clean forward of one (micro)batch gives every other part of the step."""
 
@@ -304,8 +328,10 @@ class StepPlan:
     to_host: Callable
 
     @staticmethod
-    def resolve(cfg: RunConfig, layout: Layout | None = None) -> StepPlan:
+    def resolve(cfg: RunConfig, layout: Layout | None = None,
+                optimizers: Optimizers | None = None) -> StepPlan:
         spec = StepSpec.from_config(cfg)
+        opts = optimizers or Optimizers.from_config(cfg)
         pin = layout.constrain_positions if layout is not None else (lambda x: x)
         if cfg.memory.offload_opt_state:
             if layout is None:
@@ -315,17 +341,18 @@ class StepPlan:
         else:
             to_device = to_host = lambda tree: tree
         return StepPlan(
-            cfg, spec, optimizer(cfg.optim.components, cfg.optim.steps),
-            optimizer(cfg.optim.ci_fn, cfg.optim.steps), losses.DISTANCES[spec.distance],
+            cfg, spec, opts.components, opts.ci_fn, losses.DISTANCES[spec.distance],
             jnp.dtype(spec.compute_dtype), remat_policy(spec.remat, spec.remat_names),
             pgd_lr(spec.pgd, spec.total_steps) if spec.pgd else None, dict(spec.tied), pin,
             to_device, to_host)
 
 
-def make_train_step(cfg: RunConfig, layout: Layout | None = None) -> Callable:
+def make_train_step(cfg: RunConfig, layout: Layout | None = None,
+                    optimizers: Optimizers | None = None) -> Callable:
     """The pure train step for `cfg`: (state, target, batch) -> (state, metrics). With a
-    `layout`, every [*pos, C] tensor is pinned to its batch-on-data, C-on-model sharding."""
-    plan = StepPlan.resolve(cfg, layout)
+    `layout`, every [*pos, C] tensor is pinned to its batch-on-data, C-on-model sharding.
+    `optimizers` (the config's when None) must be those `init_state` was given."""
+    plan = StepPlan.resolve(cfg, layout, optimizers)
 
     def train_step(state: TrainState, target, batch: Array) -> tuple[TrainState, dict]:
         return step(plan, state, target, batch)
@@ -358,7 +385,7 @@ def step(plan: StepPlan, state: TrainState, target, batch: Array) -> tuple[Train
         adversary = warmup_ascents(ps, deltas, lr)
 
     sources = adversary.sources if adversary is not None else None
-    params = (stepped, state.ci_fn, sources, deltas)
+    params = Trainable(stepped, state.ci_fn, sources, deltas)
     grad_fn = jax.value_and_grad(partial(loss_fn, ps, imp_grad, step_key), has_aux=True)
 
     def accumulate(acc, obs, m, at):
@@ -554,10 +581,10 @@ def warmup_ascents(ps: Pass, deltas: Any, lr: Array) -> Adversary:
     return jax.lax.fori_loop(0, spec.pgd.n_warmup, warmup_ascent, state.adversary)
 
 
-def loss_fn(ps: Pass, imp_grad: dict[str, Array] | None, step_key: Array, params, obs, m,
-            at) -> tuple[Array, tuple[dict[str, Array], dict[str, Array]]]:
-    """One microbatch's share of the loss (2, 4), differentiated in the trainable `params` =
-    (stepped components, CI function, adversary's sources, weight deltas); its terms and L0s."""
+def loss_fn(ps: Pass, imp_grad: dict[str, Array] | None, step_key: Array, params: Trainable,
+            obs, m, at) -> tuple[Array, tuple[dict[str, Array], dict[str, Array]]]:
+    """One microbatch's share of the loss (2, 4), differentiated in `params`; its terms and
+    L0s."""
     spec, n_micro = ps.spec, ps.n_micro
     stepped_components, ci_fn, sources, deltas = params
     # Shared tied update: the followers are built here, so both sites' gradients sum on the

@@ -317,6 +317,35 @@ def test_train_step_takes_the_tied_update_it_is_configured_with():
     assert float(jnp.abs(leaders["shared"] - leaders["per_site"]).max()) > 1e-4
 
 
+def test_train_step_takes_its_optimizers_as_arguments():
+    from pdecomp import targets
+    from pdecomp.train import Optimizers, init_state, make_train_step
+
+    cfg = dc.replace(RunConfig(), data=dc.replace(RunConfig().data, batch_size=64))
+    target = targets.init_target(jax.random.PRNGKey(0), cfg.model)
+    x = targets.sample_inputs(jax.random.PRNGKey(2), cfg.model, 64)
+
+    def one_step(optimizers):
+        state = init_state(jax.random.PRNGKey(1), cfg, target, optimizers)
+        return state, jax.jit(make_train_step(cfg, optimizers=optimizers))(state, target, x)[0]
+
+    # the config's own, given explicitly, are the default
+    _, default = one_step(None)
+    _, explicit = one_step(Optimizers.from_config(cfg))
+    assert all(bool(jnp.array_equal(a, b)) for a, b in zip(
+        jax.tree.leaves(default), jax.tree.leaves(explicit), strict=True))
+    # others are used: SGD with zero learning rate leaves components and CI function as
+    # they were, while the default AdamW moves them
+    before, frozen = one_step(Optimizers(optax.sgd(0.0), optax.sgd(0.0)))
+    for part in ("components", "ci_fn"):
+        pairs = list(zip(jax.tree.leaves(getattr(before, part)),
+                         jax.tree.leaves(getattr(frozen, part)),
+                         jax.tree.leaves(getattr(default, part)), strict=True))
+        assert all(bool(jnp.array_equal(b, f)) for b, f, _ in pairs)
+        assert any(not bool(jnp.array_equal(b, d)) for b, _, d in pairs)
+    assert int(frozen.step) == 1
+
+
 @pytest.mark.parametrize("ci_fn", ["mlp", "vector_mlp", "shared_mlp"])
 @pytest.mark.parametrize("source,routing,plan", [
     ("continuous", "all", "all"), ("binomial", "uniform_k", "chunkwise"),
