@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -303,8 +303,8 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
     state, start = initial_state(cfg, g, target, ckpt, hooks.log)
     state, history = train(cfg, g, target, state, start, ckpt, run_dir, hooks)
 
-    summary, ci = evaluate(cfg, target, state, g.batch_sharding)
-    summary.update(draw(cfg, target, state, ci, history, run_dir))
+    summary, evaluated = evaluate(cfg, target, state, g.batch_sharding)
+    summary.update(draw(cfg, evaluated, history, run_dir))
     last = history[-1] if history else {}
     summary.update({k: v for k, v in last.items() if k.startswith(("loss/", "perf/"))})
     summary["steps"] = int(state.step)
@@ -515,11 +515,20 @@ def checkpoint(ckpt: Checkpointer, run_dir: Path, step: int, state: TrainState,
     ckpt.save(step, state)
 
 
+class Evaluated(NamedTuple):
+    """What the final evaluation read, as it read it (a toy's gathered whole on every
+    process), and its per-site CI summary: what `draw` plots."""
+
+    target: Any
+    components: Any
+    ci: dict[str, dict[str, Any]]
+
+
 def evaluate(cfg: RunConfig, target, state: TrainState, batch_sharding: NamedSharding
-             ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+             ) -> tuple[dict[str, Any], Evaluated]:
     """Final metrics on fresh held-out batches: live components and L0 per site, then the
     kind's own (the ground-truth match of a toy, CE/KL per mask type of an LM). Numbers
-    only; also the per-site CI summary that `draw` plots."""
+    only, and what was evaluated."""
     kind = kind_of(cfg.model)
     eval_key = jax.random.PRNGKey(cfg.seed + EVAL_SEED_OFFSET)
     sample = kind.batch_sampler(cfg, batch_sharding, eval_key, held_out=True)
@@ -534,17 +543,17 @@ def evaluate(cfg: RunConfig, target, state: TrainState, batch_sharding: NamedSha
         summary[f"live/{s}"] = v["live"]
         summary[f"l0/{s}"] = v["l0"]
     summary.update(kind.evaluate(cfg, target, components, ci_fn, batches, eval_key, ci))
-    return summary, ci
+    return summary, Evaluated(target, components, ci)
 
 
-def draw(cfg: RunConfig, target, state: TrainState, ci: dict[str, dict[str, Any]],
-         history: list[dict[str, float]], run_dir: Path) -> dict[str, str]:
+def draw(cfg: RunConfig, evaluated: Evaluated, history: list[dict[str, float]],
+         run_dir: Path) -> dict[str, str]:
     """The result's plots (rank 0, `logging.plots`): summary key -> file drawn."""
     if not cfg.logging.plots or not hosts.is_main_process():
         return {}
-    thr = cfg.loss.ci_threshold
+    thr, ci = cfg.loss.ci_threshold, evaluated.ci
     out = {"plots/mean_ci": str(plots.plot_mean_ci(ci, run_dir / "mean_ci.png", thr))}
     if history:
         out["plots/history"] = str(plots.plot_history(history, run_dir / "history.png"))
-    components = with_tied(state.components, tied_sites(cfg))
-    return out | kind_of(cfg.model).plots(target, components, ci, thr, run_dir)
+    return out | kind_of(cfg.model).plots(evaluated.target, evaluated.components, ci, thr,
+                                          run_dir)
