@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from pdecomp import sharding
 from pdecomp.checkpoint import Checkpointer
 from pdecomp.components import Components, with_tied
 from pdecomp.config import RunConfig, from_dict, tied_sites
+from pdecomp.kinds import kind_of
 from pdecomp.run import CONFIG_FILE, abstract_run, load_target
 from pdecomp.train import TrainState
 
@@ -51,7 +52,18 @@ def read_config(run_dir: Path) -> RunConfig:
     if not path.is_file():
         why = "does not exist" if not run_dir.is_dir() else f"has no {CONFIG_FILE}"
         raise RunDirError(f"{run_dir}: not a pdecomp run directory ({why})")
-    return from_dict(RunConfig, yaml.safe_load(path.read_text()))
+    return from_dict(RunConfig, _model_of_its_kind(yaml.safe_load(path.read_text())))
+
+
+def _model_of_its_kind(data: Any) -> Any:
+    """Run directories written before each model kind had a schema of its own hold every
+    kind's model fields in one flat mapping; the fields the run's kind does not have (unused
+    by it) are dropped, so older runs open as they did."""
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, dict):
+        return data
+    known = {f.name for f in fields(kind_of(str(model.get("kind", "tms"))).schema)}
+    return {**data, "model": {k: v for k, v in model.items() if k in known}}
 
 
 def _read_json(path: Path) -> Any:

@@ -78,3 +78,27 @@ def test_load_run_names_what_is_missing(cache, tmp_path: Path) -> None:
     with pytest.raises(api.RunDirError, match=f"{gate_only}: no checkpoints/"):
         api.load_run(gate_only)
     assert not (gate_only / "checkpoints").exists()  # looking made nothing
+
+
+@pytest.mark.parametrize("preset", ["tms_5-2", "resid_mlp1", "llama_tiny_chunkwise"])
+def test_a_run_directory_written_before_the_per_kind_schemas_reads_back(preset, tmp_path):
+    """Older run directories hold every kind's model fields in one flat mapping (the flat
+    schema's, with its defaults); they open as the config they were written from."""
+    import dataclasses
+
+    import yaml
+
+    from pdecomp.runs import read_config
+
+    cfg = api.compose([], preset=preset)
+    flat = {"name": "tms_5-2", "kind": "tms", "path": "", "n_features": 5, "d_hidden": 2,
+            "d_embed": 1000, "n_layers": 1, "vocab_size": 128, "d_mlp": 160, "n_heads": 4,
+            "n_kv_heads": 4, "head_dim": 0, "rope_theta": 10000.0, "rope_scaling": {},
+            "rms_norm_eps": 1e-5, "tie_embeddings": False, "attn_bias": [],
+            "sliding_window": 0, "n_hidden_layers": 0, "feature_prob": 0.05,
+            "train_steps": 10000, "train_batch_size": 1024, "train_lr": 0.005, "seed": 0,
+            "max_retrain": 3, "cache_dir": ""}
+    old = dataclasses.asdict(cfg)
+    old["model"] = {**flat, **old["model"]}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
+    assert read_config(tmp_path) == cfg
