@@ -341,9 +341,11 @@ def gate(cfg: RunConfig, run_dir: Path, hooks: Hooks) -> Gated:
              "mesh": dict(mesh.shape)}
     extra = {"memory_env": memory_env} if memory_env else {}
 
+    def batch_at(batch_size: int) -> jax.ShapeDtypeStruct:
+        return kind_of(cfg.model).batch_abstract(cfg, batch_size, batch_sharding)
+
     def parts_at(batch_size: int) -> dict[str, int]:
-        return argument_parts(cfg, target_abs, state_abs,
-                              kind_of(cfg.model).batch_abstract(cfg, batch_size, batch_sharding))
+        return argument_parts(cfg, target_abs, state_abs, batch_at(batch_size))
 
     def floor_at(batch_size: int) -> dict[str, Any]:
         parts = parts_at(batch_size)
@@ -354,7 +356,7 @@ def gate(cfg: RunConfig, run_dir: Path, hooks: Hooks) -> Gated:
 
     def compile_at(batch_size: int):
         compiled, report = gate_lib.compile_and_report(
-            step_fn, (state_abs, target_abs, kind_of(cfg.model).batch_abstract(cfg, batch_size, batch_sharding)),
+            step_fn, (state_abs, target_abs, batch_at(batch_size)),
             donate_argnums=(0,) if cfg.memory.donate else (),
             out_shardings=(sharding.shardings(state_abs), NamedSharding(mesh, P())),
             parts=parts_at(batch_size), top_temps=cfg.gate.top_temps, detach=detach, **where)
