@@ -113,7 +113,7 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
     for name in ("absl", "jax"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
-    resolved = OmegaConf.to_container(dict_cfg, resolve=True)
+    resolved = OmegaConf.to_container(dict_cfg, resolve=True, enum_to_str=True)
     cfg = to_run_config(resolved)
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)

@@ -96,6 +96,7 @@ def model_name(path: str, preset: str) -> str:
 
 def to_run_config(cfg: DictConfig | dict[str, Any]) -> RunConfig:
     """The frozen RunConfig of a composed config (or of its resolved plain-dict form)."""
-    data = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+    data = (OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+            if isinstance(cfg, DictConfig) else cfg)
     assert isinstance(data, dict)
     return from_dict(RunConfig, {k: v for k, v in data.items() if k != "hydra"})

@@ -7,19 +7,42 @@ Every error names the dotted key, the value and what is allowed.
 
 from __future__ import annotations
 
+import enum
 import math
 import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
-# Values allowed for the string-valued choices that have no implementation to dispatch to;
-# `validate` quotes them in its errors. The method's choices live in registries beside
-# their implementations, each name declared once (docs/method.md, "Adding a choice").
-FIT_MODES = ("none", "batch")
-DTYPES = ("float32", "bfloat16")
-DATA_SOURCES = ("toy", "synthetic", "tokens", "hf_dataset")  # toy: the toy target's features
-TOKEN_DTYPES = ("uint16", "uint32")
+
+# The string-valued choices that have no implementation to dispatch to: str Enums, so a bad
+# value fails at compose time (OmegaConf names the allowed ones) and equals its string.
+# The method's choices live in registries beside their implementations, each name declared
+# once (docs/method.md, "Adding a choice").
+class FitMode(enum.StrEnum):
+    none = "none"
+    batch = "batch"  # the largest batch under the cap
+
+
+class DType(enum.StrEnum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+class DataSource(enum.StrEnum):
+    toy = "toy"  # the toy target's sparse features
+    synthetic = "synthetic"
+    tokens = "tokens"
+    hf_dataset = "hf_dataset"
+
+
+class TokenDType(enum.StrEnum):
+    uint16 = "uint16"
+    uint32 = "uint32"
+
+
+FIT_MODES, DTYPES = tuple(FitMode), tuple(DType)
+DATA_SOURCES, TOKEN_DTYPES = tuple(DataSource), tuple(TokenDType)
 MESH_AXES = ("data", "model", "none")
 LOGICAL_AXES = ("batch", "comp", "embed", "ci_embed")
 REMAT_NAMES = ("site_inner", "site_out", "layer_out")  # checkpoint_name tags in the forward
@@ -46,6 +69,8 @@ class ConfigError(ValueError):
     """A bad value in the run config. `str()` is the one-line message shown to the user."""
 
     def __init__(self, key: str, value: Any, allowed: str):
+        if isinstance(value, enum.Enum):  # as it was written
+            value = value.value
         self.key, self.value, self.allowed = key, value, allowed
         super().__init__(f"config error: {key}={value!r} is not allowed; {allowed}")
 
@@ -242,9 +267,9 @@ class DataConfig:
 
     batch_size: int = 4096
     eval_batches: int = 8  # batches used for the final metrics (live components, MMCS)
-    source: str = "toy"  # one of DATA_SOURCES
+    source: DataSource = DataSource.toy
     path: str = ""  # tokens: a flat token file; hf_dataset: a save_to_disk directory
-    token_dtype: str = "uint16"  # tokens: one of TOKEN_DTYPES
+    token_dtype: TokenDType = TokenDType.uint16  # tokens
     column: str = "input_ids"  # hf_dataset: the column of token ids
     seq_len: int = 512
     # tokens / hf_dataset: the stream's last eval_frac of tokens is held out; training never
@@ -282,8 +307,8 @@ class MemoryConfig:
     hbm_cap_gib: float = 0.0  # 0: the device's own limit times safety_fraction
     safety_fraction: float = 0.9
     donate: bool = True
-    compute_dtype: str = "float32"  # one of DTYPES
-    target_dtype: str = "float32"  # storage of the frozen target; one of DTYPES
+    compute_dtype: DType = DType.float32
+    target_dtype: DType = DType.float32  # storage of the frozen target
     # Rematerialization of each recon forward (a name in pdecomp.train.REMAT): none keeps
     # every activation for the backward; full keeps only the forward's inputs; save_dots keeps matmul
     # outputs; names keeps the tensors tagged `remat_names`; offload moves those to host.
@@ -309,7 +334,7 @@ class GateConfig:
     only: bool = False  # report and exit
     # local (this job's devices) or a name in pdecomp.hardware.GPUS (a GPU to compile for)
     target: str = "local"
-    fit: str = "none"  # one of FIT_MODES: "batch" finds the largest batch under the cap
+    fit: FitMode = FitMode.none  # batch: find the largest batch under the cap
     fit_max_batch: int = 1 << 20  # upper end of the batch search
     top_temps: int = 8  # largest temporaries listed from XLA's buffer assignment; 0: none
     calibrate_after: int = 10  # steps before the measured peak is read (where reported)
@@ -664,6 +689,11 @@ def _convert(tp: Any, value: Any, dotted: str) -> Any:
     if origin is list and isinstance(value, (list, tuple)):
         (vt,) = typing.get_args(tp)
         return [_convert(vt, v, dotted) for v in value]
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            raise ConfigError(dotted, value, f"allowed: {', '.join(tp)}") from None
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp in (int, float, str, bool) and (type(value) is not tp):

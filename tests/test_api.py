@@ -85,6 +85,7 @@ def test_a_run_directory_written_before_the_per_kind_schemas_reads_back(preset, 
     """Older run directories hold every kind's model fields in one flat mapping (the flat
     schema's, with its defaults); they open as the config they were written from."""
     import dataclasses
+    import json
 
     import yaml
 
@@ -98,7 +99,7 @@ def test_a_run_directory_written_before_the_per_kind_schemas_reads_back(preset, 
             "sliding_window": 0, "n_hidden_layers": 0, "feature_prob": 0.05,
             "train_steps": 10000, "train_batch_size": 1024, "train_lr": 0.005, "seed": 0,
             "max_retrain": 3, "cache_dir": ""}
-    old = dataclasses.asdict(cfg)
+    old = json.loads(json.dumps(dataclasses.asdict(cfg)))  # plain, as run.write_config writes
     old["model"] = {**flat, **old["model"]}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
     assert read_config(tmp_path) == cfg
