@@ -374,7 +374,9 @@ def _choice(key: str, value: str, allowed: Iterable[str]) -> None:
         raise ConfigError(key, value, f"allowed: {', '.join(allowed)}")
 
 
-def _positive(key: str, value: float, *, zero_ok: bool = False) -> None:
+def check_positive(key: str, value: float, *, zero_ok: bool = False) -> None:
+    """`value` > 0 (>= 0 with `zero_ok`) and finite, else a ConfigError naming `key` (the
+    check a kind's `validate` uses for its own fields)."""
     bad = value < 0 if zero_ok else value <= 0
     if bad or (isinstance(value, float) and not math.isfinite(value)):
         raise ConfigError(key, value, "must be >= 0" if zero_ok else "must be > 0")
@@ -430,12 +432,12 @@ def _validate_layers(cfg: RunConfig) -> None:
             raise ConfigError("layers.sites", s, f"sites of model {m.name}: {', '.join(known)}")
     if len(set(lay.sites)) != len(lay.sites):
         raise ConfigError("layers.sites", lay.sites, "each site may appear once")
-    _positive("layers.C", lay.C)
+    check_positive("layers.C", lay.C)
     for s, c in lay.C_per_site.items():
         if s not in lay.sites:
             raise ConfigError(f"layers.C_per_site.{s}", c, f"keys must be decomposed sites: "
                               f"{', '.join(lay.sites)}")
-        _positive(f"layers.C_per_site.{s}", c)
+        check_positive(f"layers.C_per_site.{s}", c)
     for follower, leader in tied_sites(cfg).items():
         c_f, c_l = lay.C_per_site.get(follower, lay.C), lay.C_per_site.get(leader, lay.C)
         if c_f != c_l:
@@ -447,10 +449,10 @@ def _validate_layers(cfg: RunConfig) -> None:
     _choice("layers.tie_update", lay.tie_update, TIE_UPDATES)
     _choice("layers.ci_fn", lay.ci_fn, CI_FNS)
     for h in lay.ci_hidden:
-        _positive("layers.ci_hidden", h)
+        check_positive("layers.ci_hidden", h)
     if lay.ci_fn == "global_transformer":
         for key in ("ci_d_model", "ci_blocks", "ci_heads", "ci_mlp"):
-            _positive(f"layers.{key}", getattr(lay, key))
+            check_positive(f"layers.{key}", getattr(lay, key))
         if lay.ci_d_model % lay.ci_heads or (lay.ci_d_model // lay.ci_heads) % 2:
             raise ConfigError("layers.ci_heads", lay.ci_heads,
                               f"layers.ci_d_model ({lay.ci_d_model}) / heads must be an even "
@@ -463,9 +465,9 @@ def _validate_loss(cfg: RunConfig) -> None:
     m, lay = cfg.model, cfg.layers
     lo = cfg.loss
     for key in ("faithfulness_coeff", "imp_min_coeff", "beta", "eps"):
-        _positive(f"loss.{key}", getattr(lo, key), zero_ok=True)
-    _positive("loss.p_start", lo.p_start)
-    _positive("loss.p_end", lo.p_end)
+        check_positive(f"loss.{key}", getattr(lo, key), zero_ok=True)
+    check_positive("loss.p_start", lo.p_start)
+    check_positive("loss.p_end", lo.p_end)
     _fraction("loss.p_anneal_start_frac", lo.p_anneal_start_frac)
     _fraction("loss.p_anneal_end_frac", lo.p_anneal_end_frac)
     if lo.p_anneal_end_frac < lo.p_anneal_start_frac:
@@ -481,7 +483,7 @@ def _validate_loss(cfg: RunConfig) -> None:
         raise ConfigError("loss.recon", {}, "give at least one recon term")
     for name, t in lo.recon.items():
         k = f"loss.recon.{name}"
-        _positive(f"{k}.coeff", t.coeff, zero_ok=True)
+        check_positive(f"{k}.coeff", t.coeff, zero_ok=True)
         _choice(f"{k}.plan", t.plan, PLANS)
         _choice(f"{k}.source", t.source, SOURCES)
         _choice(f"{k}.routing", t.routing, ROUTINGS)
@@ -489,14 +491,14 @@ def _validate_loss(cfg: RunConfig) -> None:
             raise ConfigError(f"{k}.sites_per_chunk", t.sites_per_chunk,
                               f"must be in 1..{len(lay.sites)} (the number of sites)")
     pgd = lo.pgd
-    _positive("loss.pgd.coeff", pgd.coeff, zero_ok=True)
+    check_positive("loss.pgd.coeff", pgd.coeff, zero_ok=True)
     _choice("loss.pgd.scope", pgd.scope, PGD_SCOPES)
     _choice("loss.pgd.optimizer", pgd.optimizer, PGD_OPTIMIZERS)
-    _positive("loss.pgd.lr", pgd.lr)
+    check_positive("loss.pgd.lr", pgd.lr)
     _fraction("loss.pgd.warmup_frac", pgd.warmup_frac)
-    _positive("loss.pgd.n_warmup", pgd.n_warmup, zero_ok=True)
-    _positive("loss.eval_pgd.n_steps", lo.eval_pgd.n_steps, zero_ok=True)
-    _positive("loss.eval_pgd.step_size", lo.eval_pgd.step_size)
+    check_positive("loss.pgd.n_warmup", pgd.n_warmup, zero_ok=True)
+    check_positive("loss.eval_pgd.n_steps", lo.eval_pgd.n_steps, zero_ok=True)
+    check_positive("loss.eval_pgd.step_size", lo.eval_pgd.step_size)
     kind = kind_of(m)
     if lo.distance != kind.distance:
         raise ConfigError("loss.distance", lo.distance, f"model {m.name} ({m.kind}) is "
@@ -508,23 +510,23 @@ def _validate_optim(cfg: RunConfig) -> None:
     from pdecomp.train import SCHEDULES
 
     o = cfg.optim
-    _positive("optim.steps", o.steps)
-    _positive("optim.faith_warmup_steps", o.faith_warmup_steps, zero_ok=True)
-    _positive("optim.microbatches", o.microbatches)
+    check_positive("optim.steps", o.steps)
+    check_positive("optim.faith_warmup_steps", o.faith_warmup_steps, zero_ok=True)
+    check_positive("optim.microbatches", o.microbatches)
     if cfg.data.batch_size % o.microbatches:
         raise ConfigError("optim.microbatches", o.microbatches,
                           f"must divide data.batch_size ({cfg.data.batch_size})")
-    _positive("optim.faith_warmup_lr", o.faith_warmup_lr)
+    check_positive("optim.faith_warmup_lr", o.faith_warmup_lr)
     for group in ("components", "ci_fn"):
         g: OptGroupConfig = getattr(o, group)
-        _positive(f"optim.{group}.lr", g.lr)
+        check_positive(f"optim.{group}.lr", g.lr)
         _choice(f"optim.{group}.schedule", g.schedule, SCHEDULES)
         _fraction(f"optim.{group}.warmup_frac", g.warmup_frac)
         _fraction(f"optim.{group}.final_frac", g.final_frac)
         _fraction(f"optim.{group}.b1", g.b1)
         _fraction(f"optim.{group}.b2", g.b2)
-        _positive(f"optim.{group}.weight_decay", g.weight_decay, zero_ok=True)
-        _positive(f"optim.{group}.clip_norm", g.clip_norm, zero_ok=True)
+        check_positive(f"optim.{group}.weight_decay", g.weight_decay, zero_ok=True)
+        check_positive(f"optim.{group}.clip_norm", g.clip_norm, zero_ok=True)
 
 
 def _validate_data(cfg: RunConfig) -> None:
@@ -532,15 +534,15 @@ def _validate_data(cfg: RunConfig) -> None:
     from pdecomp.kinds import kind_of
     m = cfg.model
     d = cfg.data
-    _positive("data.batch_size", d.batch_size)
-    _positive("data.eval_batches", d.eval_batches)
+    check_positive("data.batch_size", d.batch_size)
+    check_positive("data.eval_batches", d.eval_batches)
     _choice("data.source", d.source, DATA_SOURCES)
     kind = kind_of(m)
     if d.source not in kind.data_sources:
         raise ConfigError("data.source", d.source,
                           f"model {m.name} ({m.kind}) reads: {', '.join(kind.data_sources)}")
     _choice("data.token_dtype", d.token_dtype, TOKEN_DTYPES)
-    _positive("data.seq_len", d.seq_len)
+    check_positive("data.seq_len", d.seq_len)
     if not 0.0 <= d.eval_frac < 1.0:
         raise ConfigError("data.eval_frac", d.eval_frac, "must be in [0, 1)")
     if d.source in ("tokens", "hf_dataset") and not d.path and not cfg.gate.only:
@@ -554,11 +556,11 @@ def _validate_mesh(cfg: RunConfig, n_devices: int | None) -> None:
 
     _choice("gate.target", cfg.gate.target, ("local", *GPUS))
     me = cfg.mesh
-    _positive("mesh.data", me.data, zero_ok=True)
-    _positive("mesh.hosts", me.hosts)
-    _positive("mesh.gpus_per_host", me.gpus_per_host, zero_ok=True)
-    _positive("mesh.init_timeout_s", me.init_timeout_s)
-    _positive("mesh.model", me.model)
+    check_positive("mesh.data", me.data, zero_ok=True)
+    check_positive("mesh.hosts", me.hosts)
+    check_positive("mesh.gpus_per_host", me.gpus_per_host, zero_ok=True)
+    check_positive("mesh.init_timeout_s", me.init_timeout_s)
+    check_positive("mesh.model", me.model)
     for name, axis in me.rules.items():
         _choice("mesh.rules", name, LOGICAL_AXES)
         _choice(f"mesh.rules.{name}", axis, MESH_AXES)
@@ -595,7 +597,7 @@ def _validate_mesh(cfg: RunConfig, n_devices: int | None) -> None:
 def _validate_memory_and_gate(cfg: RunConfig) -> None:
     """The memory plan and the gate."""
     mem = cfg.memory
-    _positive("memory.hbm_cap_gib", mem.hbm_cap_gib, zero_ok=True)
+    check_positive("memory.hbm_cap_gib", mem.hbm_cap_gib, zero_ok=True)
     if not 0.0 < mem.safety_fraction <= 1.0:
         raise ConfigError("memory.safety_fraction", mem.safety_fraction, "must be in (0, 1]")
     _choice("memory.compute_dtype", mem.compute_dtype, DTYPES)
@@ -607,12 +609,12 @@ def _validate_memory_and_gate(cfg: RunConfig) -> None:
         _choice("memory.remat_names", name, REMAT_NAMES)
     g = cfg.gate
     _choice("gate.fit", g.fit, FIT_MODES)
-    _positive("gate.fit_max_batch", g.fit_max_batch)
-    _positive("gate.top_temps", g.top_temps, zero_ok=True)
-    _positive("gate.calibrate_after", g.calibrate_after)
-    _positive("logging.log_every", cfg.logging.log_every)
-    _positive("logging.ckpt_every", cfg.logging.ckpt_every, zero_ok=True)
-    _positive("logging.stop_check_every", cfg.logging.stop_check_every)
+    check_positive("gate.fit_max_batch", g.fit_max_batch)
+    check_positive("gate.top_temps", g.top_temps, zero_ok=True)
+    check_positive("gate.calibrate_after", g.calibrate_after)
+    check_positive("logging.log_every", cfg.logging.log_every)
+    check_positive("logging.ckpt_every", cfg.logging.ckpt_every, zero_ok=True)
+    check_positive("logging.stop_check_every", cfg.logging.stop_check_every)
 
 
 def rope_problem(rope: Any) -> tuple[str, Any, str] | None:

@@ -49,10 +49,10 @@ class Kind:
 
     def validate(self, model: ModelConfig) -> None:
         """Checks of `model.*` that types cannot express (ConfigError)."""
-        from pdecomp.config import _positive
+        from pdecomp.config import check_positive
 
         for key in self.positive:
-            _positive(f"model.{key}", getattr(model, key), zero_ok=key in self.zero_ok)
+            check_positive(f"model.{key}", getattr(model, key), zero_ok=key in self.zero_ok)
 
     def validate_data(self, cfg: RunConfig) -> None:
         """Checks of the data this run reads, before anything is made (ConfigError)."""

@@ -24,7 +24,7 @@ from pdecomp.config import (
     LlamaModelConfig,
     ModelConfig,
     RunConfig,
-    _positive,
+    check_positive,
     rope_problem,
 )
 from pdecomp.kinds import Kind
@@ -82,9 +82,9 @@ class LlamaKind(Kind):
                 raise ConfigError("model.path", m.path, str(e)) from None
             return
         for key in ("vocab_size", "d_mlp", "n_heads", "n_kv_heads"):
-            _positive(f"model.{key}", getattr(m, key))
-        _positive("model.head_dim", m.head_dim, zero_ok=True)
-        _positive("model.rope_theta", m.rope_theta)
+            check_positive(f"model.{key}", getattr(m, key))
+        check_positive("model.head_dim", m.head_dim, zero_ok=True)
+        check_positive("model.rope_theta", m.rope_theta)
         if m.n_heads % m.n_kv_heads:
             raise ConfigError("model.n_kv_heads", m.n_kv_heads,
                               f"must divide model.n_heads ({m.n_heads})")
@@ -93,7 +93,7 @@ class LlamaKind(Kind):
                               f"({m.d_embed}) unless model.head_dim is set")
         if odd := [n for n in m.attn_bias if n not in LLAMA_ATTN]:
             raise ConfigError("model.attn_bias", odd[0], f"allowed: {', '.join(LLAMA_ATTN)}")
-        _positive("model.sliding_window", m.sliding_window, zero_ok=True)
+        check_positive("model.sliding_window", m.sliding_window, zero_ok=True)
         if problem := rope_problem(m.rope_scaling):
             name, value, allowed = problem
             raise ConfigError(f"model.rope_scaling.{name}", value, allowed)
