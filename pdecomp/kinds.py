@@ -17,7 +17,7 @@ import jax
 from jax.sharding import NamedSharding
 from jaxtyping import Array
 
-from pdecomp.config import ModelConfig, RunConfig
+from pdecomp.config import ConfigError, ModelConfig, RunConfig, check_positive
 
 # name -> "module:attribute" of its Kind instance
 KINDS: dict[str, str] = {
@@ -49,8 +49,6 @@ class Kind:
 
     def validate(self, model: ModelConfig) -> None:
         """Checks of `model.*` that types cannot express (ConfigError)."""
-        from pdecomp.config import check_positive
-
         for key in self.positive:
             check_positive(f"model.{key}", getattr(model, key), zero_ok=key in self.zero_ok)
 
@@ -117,8 +115,6 @@ def kind_of(model: ModelConfig | str) -> Kind:
     name = model if isinstance(model, str) else model.kind
     if name not in _resolved:
         if name not in KINDS:
-            from pdecomp.config import ConfigError
-
             raise ConfigError("model.kind", name, f"allowed: {', '.join(KINDS)}")
         module, attr = KINDS[name].split(":")
         _resolved[name] = getattr(importlib.import_module(module), attr)

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jaxtyping import Array
 
 from pdecomp import metrics, plots, sharding, targets
-from pdecomp.config import ModelConfig, ResidMLPConfig, RunConfig, TMSConfig
+from pdecomp.config import ConfigError, ModelConfig, ResidMLPConfig, RunConfig, TMSConfig
 from pdecomp.kinds import Kind
 
 
@@ -25,8 +25,6 @@ class ToyKind(Kind):
     positive = ("n_features", "d_hidden", "train_steps", "train_batch_size", "train_lr")
 
     def validate(self, model: ModelConfig) -> None:
-        from pdecomp.config import ConfigError
-
         super().validate(model)
         if not 0.0 < model.feature_prob <= 1.0:
             raise ConfigError("model.feature_prob", model.feature_prob, "must be in (0, 1]")
