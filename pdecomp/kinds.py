@@ -17,7 +17,7 @@ import jax
 from jax.sharding import NamedSharding
 from jaxtyping import Array
 
-from pdecomp.config import ConfigError, ModelConfig, RunConfig, check_positive
+from pdecomp.config import ConfigError, DataSource, ModelConfig, RunConfig, check_positive
 
 # name -> "module:attribute" of its Kind instance
 KINDS: dict[str, str] = {
@@ -38,7 +38,7 @@ class Kind:
     distance: str = "mse"
     distance_why: str = "it outputs vectors"
     # what `data.source` it reads
-    data_sources: tuple[str, ...] = ("toy",)
+    data_sources: tuple[str, ...] = (DataSource.toy,)
     # the model's fields that must be > 0 (0 allowed for those in `zero_ok`)
     positive: tuple[str, ...] = ()
     zero_ok: tuple[str, ...] = ()

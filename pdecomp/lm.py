@@ -21,6 +21,7 @@ from pdecomp.config import (
     LLAMA_ATTN,
     LLAMA_MLP,
     ConfigError,
+    DataSource,
     LlamaModelConfig,
     ModelConfig,
     RunConfig,
@@ -60,7 +61,7 @@ class LlamaKind(Kind):
     schema = LlamaModelConfig
     distance = "kl"
     distance_why = "a language model's outputs are next-token distributions"
-    data_sources = ("synthetic", "tokens", "hf_dataset")
+    data_sources = data.TOKEN_SOURCES
     # a pathless Llama with no training steps keeps its random weights
     positive = ("d_embed", "n_layers", "train_steps", "train_batch_size", "train_lr")
     zero_ok = ("train_steps",)
@@ -103,20 +104,11 @@ class LlamaKind(Kind):
         vocab and the dtype against its sidecar (pdecomp.data), so a bad file ends here,
         before the launcher makes anything. The scan is kept per file, so the job reads it
         once more at most (not at all when it runs in the launcher's process)."""
-        d, m = cfg.data, cfg.model
-        if d.source not in ("tokens", "hf_dataset") or cfg.gate.only:
-            return
-        spec = data.TokenSpec(d.source, d.path, d.token_dtype, d.column, d.seq_len,
-                              llama.arch(m).vocab_size, cfg.seed)
-        data.open_tokens(spec).split(d.eval_frac, cfg.seed)
+        if cfg.data.source in (DataSource.tokens, DataSource.hf_dataset) and not cfg.gate.only:
+            token_stream(cfg)
 
     def preflight(self, cfg: RunConfig) -> None:
-        m = cfg.model
-        if m.path:
-            try:
-                llama.check_hf(m.path)
-            except llama.CheckpointError as e:
-                raise ConfigError("model.path", m.path, str(e)) from None
+        # The checkpoint's headers were checked by `validate`, which the job runs first.
         if not cfg.gate.only:  # the gate needs shapes only, not the data
             token_stream(cfg)
 
