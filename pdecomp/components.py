@@ -3,12 +3,17 @@
 A target never knows it is being decomposed: at every site it calls `linear(site, x, W)`.
 `frozen_linear` is plain inference; `recording_linear` captures site inputs for the CI
 function; `masked_linear` runs the live sites through their masked components.
+
+The last two are `SiteLinear`s: the arrays each site reads (`data[site]`) apart from one
+pure rule (`apply`), so a target whose layers repeat can stack the data of a run of layers
+and run them under one `lax.scan` instead of tracing each layer's sites anew.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -24,14 +29,28 @@ def frozen_linear(site: str, x: Array, W: Array) -> Array:
     return x @ W.astype(x.dtype)
 
 
-def recording_linear(record: dict[str, Array]) -> LinearFn:
-    """A frozen linear that also stores each site's input in `record` (filled while tracing)."""
+@dataclass(frozen=True)
+class SiteLinear:
+    """A linear fn as data and one rule: site s computes `apply(data[s], x, W)`; a site
+    without data runs frozen. With `record`, the sites in `data` also store their input
+    there (filled while tracing). A caller that runs several layers under one scan stacks
+    their sites' `data` and calls `apply` in the body (llama.Llama.run_layers)."""
 
-    def linear(site: str, x: Array, W: Array) -> Array:
-        record[site] = x
-        return frozen_linear(site, x, W)
+    data: Mapping[str, Any]
+    apply: Callable[[Any, Array, Array], Array]
+    record: dict[str, Array] | None = None
 
-    return linear
+    def __call__(self, site: str, x: Array, W: Array) -> Array:
+        if site not in self.data:
+            return frozen_linear(site, x, W)
+        if self.record is not None:
+            self.record[site] = x
+        return self.apply(self.data[site], x, W)
+
+
+def recording_linear(record: dict[str, Array], sites: Iterable[str]) -> SiteLinear:
+    """A frozen linear that also stores the input of each of `sites` in `record`."""
+    return SiteLinear(dict.fromkeys(sites, ()), lambda _, x, W: frozen_linear("", x, W), record)
 
 
 class SiteComponents(eqx.Module):
@@ -113,20 +132,21 @@ def masked_linear(components: Components, site_masks: Mapping[str, SiteMask],
     gradient.
     """
 
-    def linear(site: str, x: Array, W: Array) -> Array:
-        if site not in site_masks:
-            return frozen_linear(site, x, W)
-        comp, m = components.sites[site], site_masks[site]
-        dt = x.dtype
-        # Tags for remat policies: the [*pos, C] inner acts and the site output.
-        inner = checkpoint_name(x @ comp.V.astype(dt), "site_inner")
-        y = (inner * m.mask.astype(dt)) @ comp.U.astype(dt)
-        if m.delta_mask is not None:
-            delta = (deltas[site] if deltas is not None else
-                     W.astype(jnp.float32) - comp.weight).astype(dt)
-            y = y + (x @ delta) * m.delta_mask[..., None].astype(dt)
-        if m.routed is not None:
-            y = jnp.where(m.routed[..., None], y, frozen_linear(site, x, W))
-        return checkpoint_name(y, "site_out")
+    data = {s: (components.sites[s], m,
+                None if deltas is None or m.delta_mask is None else deltas[s])
+            for s, m in site_masks.items()}
+    return SiteLinear(data, _masked)
 
-    return linear
+
+def _masked(data: tuple[SiteComponents, SiteMask, Array | None], x: Array, W: Array) -> Array:
+    comp, m, delta = data
+    dt = x.dtype
+    # Tags for remat policies: the [*pos, C] inner acts and the site output.
+    inner = checkpoint_name(x @ comp.V.astype(dt), "site_inner")
+    y = (inner * m.mask.astype(dt)) @ comp.U.astype(dt)
+    if m.delta_mask is not None:
+        delta = W.astype(jnp.float32) - comp.weight if delta is None else delta
+        y = y + (x @ delta.astype(dt)) * m.delta_mask[..., None].astype(dt)
+    if m.routed is not None:
+        y = jnp.where(m.routed[..., None], y, frozen_linear("", x, W))
+    return checkpoint_name(y, "site_out")

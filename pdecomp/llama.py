@@ -30,7 +30,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
-from pdecomp.components import LinearFn, frozen_linear
+from pdecomp.components import LinearFn, SiteLinear, frozen_linear
 from pdecomp.config import LLAMA_ATTN as ATTN
 from pdecomp.config import LLAMA_MLP as MLP
 from pdecomp.config import ModelConfig, rope_problem
@@ -124,6 +124,11 @@ def site_layer(site: str) -> int:
     return int(site.split(".")[1])
 
 
+def site_name(i: int, name: str) -> str:
+    """(18, "gate_proj") -> `layers.18.mlp.gate_proj`."""
+    return f"layers.{i}.{'self_attn' if name in ATTN else 'mlp'}.{name}"
+
+
 def rope_inv_freq(d: int, theta: float, scaling: dict[str, Any] | None = None) -> np.ndarray:
     """Per-pair rotation frequencies of a head of size d, with Llama-3 scaling: long
     wavelengths slowed by `factor`, short ones kept, the band between interpolated smoothly."""
@@ -162,6 +167,20 @@ def apply_rope(x: Float[Array, "*b t h d"], cos: Array, sin: Array) -> Array:
     x1, x2 = jnp.split(x, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)
+
+
+def _reads(linear: LinearFn, i: int) -> Any:
+    """What layer i's sites read from a `SiteLinear` (names, structure, shapes): layers
+    that read alike can share one scan. A plain linear fn: each layer its own."""
+    if not isinstance(linear, SiteLinear):
+        return i
+    out = []
+    for n in (*ATTN, *MLP):
+        data = linear.data.get(site_name(i, n), ...)
+        if data is not ...:
+            out.append((n, jax.tree.structure(data),
+                        tuple((x.shape, x.dtype) for x in jax.tree.leaves(data))))
+    return tuple(out)
 
 
 class Llama(eqx.Module):
@@ -240,34 +259,75 @@ class Llama(eqx.Module):
     def run_layers(self, h: Array, start: int, stop: int, linear: LinearFn = frozen_linear,
                    hooked: Sequence[int] = (), streams: dict[int, Array] | None = None,
                    remat: bool = False) -> Array:
-        """Layers [start, stop): those in `hooked` unrolled with named sites, runs of the
-        others under one scan each (compile time flat in depth). `streams`, when given,
-        receives the residual stream entering each hooked layer. `remat`: a backward through
-        the scanned layers recomputes each layer from its input instead of keeping every
-        layer's activations (attention scores included) at once."""
+        """Layers [start, stop): runs of the layers not in `hooked` under one scan each
+        (compile time flat in depth), and so runs of hooked layers whose sites read alike
+        when `linear` is a `SiteLinear`; other hooked layers unrolled with named sites.
+        `streams`, when given, receives the residual stream entering each hooked layer.
+        `remat`: a backward through the frozen layers recomputes each layer from its input
+        instead of keeping every layer's activations (attention scores included) at once."""
         rope = self.rope(h.shape[1])
         i = start
         while i < stop:
+            j = i + 1
             if i in hooked:
-                def site_linear(name, x, W, i=i):
-                    part = "self_attn" if name in ATTN else "mlp"
-                    return linear(f"layers.{i}.{part}.{name}", x, W)
-
-                if streams is not None:
-                    streams[i] = h
-                h = self.block(h, self.layer(i), rope, site_linear)
-                i += 1
+                while j < stop and j in hooked and _reads(linear, j) == _reads(linear, i):
+                    j += 1
+                h = (self._scan_sites(h, i, j, linear, rope, streams, remat) if j - i > 1 else
+                     self._hooked(h, i, linear, rope, streams))
+                i = j
                 continue
-            j = i
             while j < stop and j not in hooked:
                 j += 1
-            stacked = self.layer(slice(i, j))
 
             def body(carry, w):
                 return self.block(carry, w, rope, lambda _, x, W: frozen_linear("", x, W)), None
 
-            h, _ = jax.lax.scan(jax.checkpoint(body) if remat else body, h, stacked)
+            h, _ = jax.lax.scan(jax.checkpoint(body) if remat else body, h,
+                                self.layer(slice(i, j)))
             i = j
+        return h
+
+    def _hooked(self, h: Array, i: int, linear: LinearFn, rope: tuple[Array, Array],
+                streams: dict[int, Array] | None) -> Array:
+        """Layer i with its sites named `layers.i.<part>.<name>`."""
+        if streams is not None:
+            streams[i] = h
+        return self.block(h, self.layer(i), rope, lambda n, x, W: linear(site_name(i, n), x, W))
+
+    def _scan_sites(self, h: Array, i: int, j: int, linear: SiteLinear,
+                    rope: tuple[Array, Array], streams: dict[int, Array] | None,
+                    remat: bool) -> Array:
+        """Hooked layers [i, j), whose sites read data of one shape, under one scan: one
+        traced layer however many there are. Each site's data is stacked over the layers;
+        the layers' site inputs (when `linear` records) and entering streams come out as
+        the scan's outputs."""
+        names = [n for n in (*ATTN, *MLP) if site_name(i, n) in linear.data]
+        stacked = {n: jax.tree.map(lambda *a: jnp.stack(a),
+                                   *[linear.data[site_name(k, n)] for k in range(i, j)])
+                   for n in names}
+        recording = linear.record is not None
+
+        def body(carry, xs):
+            w, data = xs
+            seen: dict[str, Array] = {}
+
+            def site_linear(name: str, x: Array, W: Array) -> Array:
+                if name not in data:
+                    return frozen_linear("", x, W)
+                if recording:
+                    seen[name] = x
+                return linear.apply(data[name], x, W)
+
+            out = self.block(carry, w, rope, site_linear)
+            return out, (carry if streams is not None else None, seen)
+
+        h, (entering, seen) = jax.lax.scan(jax.checkpoint(body) if remat else body, h,
+                                           (self.layer(slice(i, j)), stacked))
+        for k in range(i, j):
+            if streams is not None:
+                streams[k] = entering[k - i]
+            if recording:
+                linear.record.update({site_name(k, n): x[k - i] for n, x in seen.items()})
         return h
 
     def split(self, sites: Sequence[str], dtype: Any, remat_layers: bool = False

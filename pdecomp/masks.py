@@ -135,9 +135,15 @@ def sample_forward_masks(key: PRNGKeyArray, live: Sequence[str], source: str, ro
     """Fresh sources and routing for one forward of a plan (`at`: where these positions sit
     in the whole batch, for a microbatch)."""
     r_key, *s_keys = jax.random.split(key, len(live) + 1)
-    sources = {s: sample_source(k, source, (*ci_lower[s].shape[:-1], ci_lower[s].shape[-1] + 1),
-                                at)
-               for k, s in zip(s_keys, live)}
+    shapes = {s: (*ci_lower[s].shape[:-1], ci_lower[s].shape[-1] + 1) for s in live}
+    sources: dict[str, Array] = {}
+    # Sites of one shape draw under one vmap: each its own key and the same values as
+    # alone, traced (and compiled) once rather than once per site.
+    for shape in dict.fromkeys(shapes.values()):
+        group = [(k, s) for k, s in zip(s_keys, live) if shapes[s] == shape]
+        drawn = jax.vmap(lambda k, shape=shape: sample_source(k, source, shape, at))(
+            jnp.stack([k for k, _ in group]))
+        sources |= {s: drawn[i] for i, (_, s) in enumerate(group)}
     pos = ci_lower[live[0]].shape[:-1]
     routed = sample_routing(r_key, routing, live, pos, at)
     return masks_from_sources(ci_lower, sources, routed, delta)

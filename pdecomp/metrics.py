@@ -23,7 +23,7 @@ def causal_importances(target, components: Components, ci_fn, x: Array) -> dict[
     """ci_lower per site for inputs x (the masks' CI)."""
     record: dict[str, Array] = {}
     prefix, suffix = target.split(tuple(components.sites), jnp.float32)
-    suffix(prefix(x), recording_linear(record))
+    suffix(prefix(x), recording_linear(record, components.sites))
     logits = ci_fn({s: record[s] for s in components.sites}, components)
     return {s: ci_lower(v) for s, v in logits.items()}
 
@@ -85,7 +85,7 @@ def lm_mask_metrics(target, components: Components, ci_fn, batches: Sequence[Arr
         prefix, suffix = target.split(sites, dtype)
         resid = prefix(tokens)
         record: dict[str, Array] = {}
-        clean = suffix(resid, recording_linear(record))
+        clean = suffix(resid, recording_linear(record, sites))
         logits = ci_fn({s: record[s] for s in sites}, components)
         lower = {s: ci_lower(v) for s, v in logits.items()}
         clean_lp = losses.recon_target("kl", clean)

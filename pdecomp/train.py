@@ -458,7 +458,7 @@ class Pass:
         resid = jax.lax.stop_gradient(self.prefix(batch))
         recorded: dict[str, Array] = {}
         streams: dict[int, Array] = {}
-        clean = self.suffix(resid, recording_linear(recorded), streams=streams)
+        clean = self.suffix(resid, recording_linear(recorded, self.spec.sites), streams=streams)
         return jax.lax.stop_gradient(Observed(
             resid, {s: recorded[s] for s in self.spec.sites}, streams,
             losses.recon_target(self.spec.distance, clean)))

@@ -93,7 +93,7 @@ def clean_forward(cfg: RunConfig, target, state) -> Clean:
     resid = prefix(tokens(cfg))
     rec: dict = {}
     streams: dict = {}
-    clean_lp = losses.recon_target("kl", suffix(resid, recording_linear(rec), streams=streams))
+    clean_lp = losses.recon_target("kl", suffix(resid, recording_linear(rec, SITES), streams=streams))
     lower = {s: ci_lower(v) for s, v in state.ci_fn({s: rec[s] for s in SITES},
                                                     state.components).items()}
     return Clean(resid, suffix, clean_lp, lower, streams)
@@ -119,7 +119,7 @@ def test_residual_start_and_suffix_equal_the_whole_model(setup):
     np.testing.assert_allclose(prefix(x), h0, rtol=1e-6)
     # sites in hooked layers see the clean forward's inputs: down sees silu(gate) * up
     rec: dict = {}
-    suffix(prefix(x), recording_linear(rec))
+    suffix(prefix(x), recording_linear(rec, SITES))
     gate = rec["layers.1.mlp.gate_proj"] @ target.mlp["gate_proj"][1]
     up = rec["layers.1.mlp.up_proj"] @ target.mlp["up_proj"][1]
     np.testing.assert_allclose(rec["layers.1.mlp.down_proj"], jax.nn.silu(gate) * up,
