@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -192,11 +192,28 @@ class CIFunction(eqx.Module):
             return self.global_net.hidden(site_inputs, remat)
         return dict(site_inputs)
 
-    def site_logits(self, features: Any, site: str, components: Components
-                    ) -> Float[Array, "*pos C"]:
+    def logits_of(self, features: Any, sites: Sequence[str], components: Components
+                  ) -> dict[str, Float[Array, "*pos C"]]:
         if self.global_net is not None:
-            return self.global_net.site_logits(features, self.global_net.sites.index(site))
-        return self.sites[site](features[site], components.sites[site].V)
+            return self.global_net.logits_of(features, sites)
+        return {s: self.sites[s](features[s], components.sites[s].V) for s in sites}
+
+    def per_site(self, features: Any, sites: Sequence[str], components: Components,
+                 fn: Callable[[Array], Any]) -> dict[str, Any]:
+        """fn(logits of s) for each of `sites`, one site's logits at a time and
+        rematerialized (the backward recomputes them). The global network's sites of one C
+        run under one `lax.map` over their stacked heads: traced once however many."""
+        net = self.global_net
+        if net is None:
+            return {s: jax.checkpoint(lambda s=s: fn(self.logits_of(features, (s,),
+                                                                    components)[s]))()
+                    for s in sites}
+        out: dict[str, Any] = {}
+        for group, heads in net.head_groups(sites):
+            ys = jax.lax.map(jax.checkpoint(lambda head: fn(net.head_logits(features, head))),
+                             heads)
+            out |= {s: jax.tree.map(lambda y, k=k: y[k], ys) for k, s in enumerate(group)}
+        return out
 
 
 def _per_site(net: Callable[..., ComponentwiseMLP | SharedMLP]) -> Callable[..., CIFunction]:

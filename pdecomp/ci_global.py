@@ -9,7 +9,7 @@ importance (CI)").
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import equinox as eqx
 import jax
@@ -120,14 +120,33 @@ class GlobalCITransformer(eqx.Module):
         sequence). Every site must have the same leading shape. Returns fp32 logits
         [*batch, T, C[s]] (resp. [B, C[s]]) per site. `components` is unused."""
         del components
-        h = self.hidden(site_inputs)
-        return {s: self.site_logits(h, i) for i, s in enumerate(self.sites)}
+        return self.logits_of(self.hidden(site_inputs), self.sites)
 
-    def site_logits(self, h: Float[Array, "*pos d_model"], i: int) -> Float[Array, "*pos C"]:
-        """The logits of site `i` (in the order of `C`) from the final hidden state."""
+    def logits_of(self, h: Float[Array, "*pos d_model"], sites: Sequence[str]
+                  ) -> dict[str, Float[Array, "*pos C"]]:
+        """The logits of `sites` from the final hidden state: the sites of one C in one
+        batched matmul, traced (and compiled) once however many there are."""
+        out = {}
+        for group, heads in self.head_groups(sites):
+            y = jax.vmap(self.head_logits, in_axes=(None, 0))(h, heads)
+            out |= {s: y[k] for k, s in enumerate(group)}
+        return out
+
+    def head_groups(self, sites: Sequence[str]
+                    ) -> list[tuple[tuple[str, ...], tuple[Array, Array]]]:
+        """`sites` grouped by their C, each group's logit heads stacked: (w [n, d_model, C],
+        b [n, C])."""
+        C = {s: self.C[self.sites.index(s)] for s in sites}
+        groups = [tuple(s for s in sites if C[s] == c) for c in dict.fromkeys(C.values())]
+        return [(g, (jnp.stack([self.w_out[self.sites.index(s)] for s in g]),
+                     jnp.stack([self.b_out[self.sites.index(s)] for s in g]))) for g in groups]
+
+    def head_logits(self, h: Float[Array, "*pos d_model"], head: tuple[Array, Array]
+                    ) -> Float[Array, "*pos C"]:
+        """One site's logits from its head (w [d_model, C], b [C])."""
+        w, b = head
         # bf16 operands, fp32 result: the logits are compared with the 0 and 1 of the squashings
-        return jnp.matmul(h, self.w_out[i].astype(h.dtype),
-                          preferred_element_type=jnp.float32) + self.b_out[i]
+        return jnp.matmul(h, w.astype(h.dtype), preferred_element_type=jnp.float32) + b
 
     def hidden(self, site_inputs: Mapping[str, Array], remat: bool = False
                ) -> Float[Array, "*pos d_model"]:

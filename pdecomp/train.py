@@ -449,8 +449,6 @@ class Pass:
             self.recon_distance = jax.checkpoint(self.recon_distance, policy=plan.policy,
                                                  static_argnums=(0, 1, 2))
             self.pgd_distance = jax.checkpoint(self.pgd_distance, policy=plan.policy)
-        if self.spec.stream_ci:
-            self.site_sums = jax.checkpoint(self.site_sums, static_argnums=(3,))
 
     def observe(self, batch: Array) -> Observed:
         """Outside every gradient graph: the residual start, then the clean forward, which
@@ -493,8 +491,8 @@ class Pass:
         if isinstance(ci, dict):
             return {s: ci[s] for s in live}
         ci_fn, features = ci
-        return {s: ci_lower(self.plan.pin(ci_fn.site_logits(features, s, components)))
-                for s in live}
+        return {s: ci_lower(self.plan.pin(v))
+                for s, v in ci_fn.logits_of(features, live, components).items()}
 
     def recon_distance(self, live, source, routing, components, deltas, ci, key, obs, at):
         lower = self.site_lower(ci, live, components)
@@ -516,12 +514,16 @@ class Pass:
         threshold = self.plan.cfg.loss.ci_threshold
         return jnp.mean(jnp.sum(lower > threshold, axis=-1).astype(jnp.float32))
 
-    def site_sums(self, ci_fn, features, components, s):
-        """One site's imp-min sums S_c and L0, its logits gone once they are taken
-        (streamed: rematerialized, the backward recomputes them)."""
-        logits = self.plan.pin(ci_fn.site_logits(features, s, components))
-        S = losses.importance_sums({s: ci_upper(logits)}, self.p, self.spec.eps)[s]
-        return S, jax.lax.stop_gradient(self.l0_of(ci_lower(logits)))
+    def site_sums(self, ci_fn, features, components) -> tuple[dict, dict]:
+        """Each site's imp-min sums S_c and L0, one site's logits at a time, gone once they
+        are taken (streamed: rematerialized, the backward recomputes them)."""
+        def sums(logits):
+            logits = self.plan.pin(logits)
+            S = losses.importance_sums({"": ci_upper(logits)}, self.p, self.spec.eps)[""]
+            return S, jax.lax.stop_gradient(self.l0_of(ci_lower(logits)))
+
+        out = ci_fn.per_site(features, self.spec.sites, components, sums)
+        return {s: v[0] for s, v in out.items()}, {s: v[1] for s, v in out.items()}
 
     def add(self, acc, x):  # a running sum over microbatches (None: the first)
         return x if acc is None else jax.tree.map(jnp.add, acc, x)
@@ -539,7 +541,7 @@ def importance_over_batch(ps: Pass) -> tuple[Array, dict[str, Array]]:
     def sums(acc, obs, m, at):
         if spec.stream_ci:  # one site's logits at a time
             features = state.ci_fn.features(obs.site_inputs)
-            S = {s: ps.site_sums(state.ci_fn, features, comps, s)[0] for s in spec.sites}
+            S = ps.site_sums(state.ci_fn, features, comps)[0]
         else:
             upper = {s: ci_upper(v) for s, v in state.ci_fn(obs.site_inputs, comps).items()}
             S = losses.importance_sums(upper, ps.p, spec.eps)
@@ -595,12 +597,10 @@ def loss_fn(ps: Pass, imp_grad: dict[str, Array] | None, step_key: Array, params
     features = ci_fn.features(obs.site_inputs, spec.remat_layers)
     if spec.stream_ci:
         ci = (ci_fn, features)
-        S, l0 = {}, {}
-        for s in spec.sites:
-            S[s], l0[s] = ps.site_sums(ci_fn, features, components, s)
+        S, l0 = ps.site_sums(ci_fn, features, components)
     else:
-        logits = {s: ps.plan.pin(ci_fn.site_logits(features, s, components))
-                  for s in spec.sites}
+        logits = {s: ps.plan.pin(v)
+                  for s, v in ci_fn.logits_of(features, spec.sites, components).items()}
         ci = {s: ci_lower(v) for s, v in logits.items()}
         S = losses.importance_sums({s: ci_upper(v) for s, v in logits.items()}, ps.p, spec.eps)
         l0 = {s: ps.l0_of(v) for s, v in ci.items()}

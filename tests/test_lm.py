@@ -151,6 +151,58 @@ def test_sites_not_live_take_the_frozen_path(setup):
     assert f"f32[4,8,{C}]" not in no_live
 
 
+def test_site_layers_under_one_scan_equal_them_unrolled(setup):
+    """A run of site layers whose sites read alike runs under one scan: its logits, the
+    gradients in every site's components and deltas, the recorded site inputs and the
+    streams equal those of the same layers unrolled (a plain linear fn is never scanned)."""
+    cfg, target, state = setup
+    c = clean_forward(cfg, target, state)
+    masks = sample_forward_masks(jax.random.PRNGKey(3), tuple(SITES), "continuous",
+                                 "uniform_k", c.lower, True)
+    deltas = {s: jnp.full(target.site_weights()[s].shape, 0.01) for s in SITES}
+
+    def d(components, deltas, unrolled):
+        linear = masked_linear(components, masks, deltas)
+        if unrolled:
+            linear = (lambda f: lambda site, x, W: f(site, x, W))(linear)
+        return losses.kl(c.suffix(c.resid, linear), c.clean_lp)
+
+    scanned = str(jax.make_jaxpr(lambda a, b: d(a, b, False))(state.components, deltas))
+    assert scanned.count("scan[") > str(jax.make_jaxpr(
+        lambda a, b: d(a, b, True))(state.components, deltas)).count("scan[")
+    for got, want in zip(jax.value_and_grad(d, argnums=(0, 1))(state.components, deltas, False),
+                         jax.value_and_grad(d, argnums=(0, 1))(state.components, deltas, True)):
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+
+    prefix, suffix = target.split(SITES, jnp.float32)
+    x = tokens(cfg)
+    runs = []
+    for linear_of in (lambda rec: recording_linear(rec, SITES),
+                      lambda rec: (lambda f: lambda site, x, W: f(site, x, W))(
+                          recording_linear(rec, SITES))):
+        rec, streams = {}, {}
+        out = suffix(prefix(x), linear_of(rec), streams=streams)
+        runs.append((out, {s: rec[s] for s in SITES}, streams))
+    for got, want in zip(*runs):
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+
+
+def test_sites_of_one_shape_draw_their_own_keys_values():
+    """A forward's sources are drawn under one vmap per shape; each site's equal its draw
+    alone from its own key."""
+    live = ("a", "b", "c")
+    lower = {"a": jnp.zeros((2, 5, 4)), "b": jnp.zeros((2, 5, 6)), "c": jnp.zeros((2, 5, 4))}
+    key = jax.random.PRNGKey(7)
+    masks = sample_forward_masks(key, live, "continuous", "all", lower, True)
+    _, *keys = jax.random.split(key, len(live) + 1)
+    for k, s in zip(keys, live):
+        alone = jax.random.uniform(k, (2, 5, lower[s].shape[-1] + 1))
+        np.testing.assert_array_equal(masks[s].mask, alone[..., :-1])
+        np.testing.assert_array_equal(masks[s].delta_mask, alone[..., -1])
+
+
 def test_kl_is_fp32_zero_on_itself_and_matches_a_direct_sum():
     logits = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 11)).astype(jnp.bfloat16)
     clean = jax.random.normal(jax.random.PRNGKey(1), (2, 3, 11))
