@@ -3,10 +3,13 @@
 GQA attention, RoPE (with Llama-3's "llama3" frequency scaling), RMSNorm, SwiGLU MLP, tied
 or untied embeddings; the family's variants by their flags: attention projections with a
 bias (Qwen2's q/k/v, Llama's `attention_bias`) and a sliding attention window (Mistral's
-every layer, Qwen2's layers from `max_window_layers` on). Per-layer weights are stacked on a leading layer axis so layers that
-hold no decomposed site run under one `lax.scan`; layers that hold a site run unrolled and
-route each matmul through the caller's `linear(site, x, W)` with HF-style site names
-(`layers.18.mlp.gate_proj`, `layers.3.self_attn.q_proj`, ...). Weights are [d_in, d_out].
+every layer, Qwen2's layers from `max_window_layers` on). Per-layer weights are stacked on a
+leading layer axis so runs of layers that hold no decomposed site run under one `lax.scan`.
+Layers that hold a site route each matmul through the caller's `linear(site, x, W)` with
+HF-style site names (`layers.18.mlp.gate_proj`, `layers.3.self_attn.q_proj`, ...); given a
+`SiteLinear`, a run of them whose sites read alike is scanned too, its sites' data stacked
+over the layers (the program then holds one traced layer per run, not one per layer).
+Weights are [d_in, d_out].
 
 Numerics follow transformers' LlamaForCausalLM: RMSNorm in fp32 and cast back before its
 weight; softmax in fp32; query head h reads kv head h // (n_heads / n_kv_heads); RoPE
@@ -336,10 +339,10 @@ class Llama(eqx.Module):
 
         The prefix (embedding and the layers before it) runs once per batch outside every
         gradient graph. `suffix(h, linear, streams=None, live=None)` runs the rest with the
-        site layers unrolled and returns the logits; the clean forward passes `streams` to
+        site layers hooked and returns the logits; the clean forward passes `streams` to
         collect the residual entering each site layer. A forward whose live sites are
         `live` starts from the clean stream at its first live layer (the layers before it
-        are all frozen, so the result is the same) and unrolls only the live layers: a
+        are all frozen, so the result is the same) and hooks only the live layers: a
         chunk's forward costs its own layers and those after it, not the whole suffix.
         """
         hooked = sorted({site_layer(s) for s in sites})
