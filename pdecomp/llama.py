@@ -266,7 +266,7 @@ class Llama(eqx.Module):
         (compile time flat in depth), and so runs of hooked layers whose sites read alike
         when `linear` is a `SiteLinear`; other hooked layers unrolled with named sites.
         `streams`, when given, receives the residual stream entering each hooked layer.
-        `remat`: a backward through the frozen layers recomputes each layer from its input
+        `remat`: a backward through the scanned layers recomputes each layer from its input
         instead of keeping every layer's activations (attention scores included) at once."""
         rope = self.rope(h.shape[1])
         i = start
