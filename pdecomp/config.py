@@ -319,10 +319,10 @@ class MemoryConfig:
     # site's [*pos, C] logits, lower and upper being kept for the whole step. Costs the
     # logit linear again per use (global_transformer: d_model x C per position and site).
     stream_ci: bool = False
-    # Rematerialize layer by layer inside the scanned runs of target layers (frozen ones and
-    # runs of site layers) and the global CI transformer's blocks: a backward through them
-    # keeps one layer's activations (LMs: its [B, heads, T, T] attention scores) at a time,
-    # at one more forward per layer.
+    # Rematerialize layer by layer inside the scanned runs of target layers and the global CI
+    # transformer's blocks: a backward through them keeps one layer's activations (LMs: its
+    # [B, heads, T, T] attention scores) at a time, at one more forward per layer (runs of
+    # site layers keep their batchless matmuls and recompute attention and the rest).
     remat_layers: bool = False
     # Keep the optimizer moments of components and CI function in pinned host memory between
     # steps: each step copies them to the device for the update and back. Frees their bytes

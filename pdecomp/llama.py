@@ -172,6 +172,9 @@ def apply_rope(x: Float[Array, "*b t h d"], cos: Array, sin: Array) -> Array:
     return x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)
 
 
+SITE_LAYER_REMAT = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+
 def _reads(linear: LinearFn, i: int) -> Any:
     """What layer i's sites read from a `SiteLinear` (names, structure, shapes): layers
     that read alike can share one scan. A plain linear fn: each layer its own."""
@@ -324,8 +327,13 @@ class Llama(eqx.Module):
             out = self.block(carry, w, rope, site_linear)
             return out, (carry if streams is not None else None, seen)
 
-        h, (entering, seen) = jax.lax.scan(jax.checkpoint(body) if remat else body, h,
-                                           (self.layer(slice(i, j)), stacked))
+        # `remat` here keeps each layer's matmuls without a batch dimension (the linears,
+        # the components' among them, most of a site layer's FLOPs) and recomputes the
+        # rest: the attention's two einsums and softmax, whose [B, heads, T, T] scores
+        # would otherwise be kept for every layer of the run.
+        if remat:
+            body = jax.checkpoint(body, policy=SITE_LAYER_REMAT)
+        h, (entering, seen) = jax.lax.scan(body, h, (self.layer(slice(i, j)), stacked))
         for k in range(i, j):
             if streams is not None:
                 streams[k] = entering[k - i]

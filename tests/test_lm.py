@@ -151,6 +151,11 @@ def test_sites_not_live_take_the_frozen_path(setup):
     assert f"f32[4,8,{C}]" not in no_live
 
 
+def as_plain_function(linear: Callable) -> Callable:
+    """The same linear fn as a plain function, which a target runs unrolled."""
+    return lambda site, x, W: linear(site, x, W)
+
+
 def test_site_layers_under_one_scan_equal_them_unrolled(setup):
     """A run of site layers whose sites read alike runs under one scan: its logits, the
     gradients in every site's components and deltas, the recorded site inputs and the
@@ -164,7 +169,7 @@ def test_site_layers_under_one_scan_equal_them_unrolled(setup):
     def d(components, deltas, unrolled):
         linear = masked_linear(components, masks, deltas)
         if unrolled:
-            linear = (lambda f: lambda site, x, W: f(site, x, W))(linear)
+            linear = as_plain_function(linear)
         return losses.kl(c.suffix(c.resid, linear), c.clean_lp)
 
     scanned = str(jax.make_jaxpr(lambda a, b: d(a, b, False))(state.components, deltas))
@@ -179,8 +184,7 @@ def test_site_layers_under_one_scan_equal_them_unrolled(setup):
     x = tokens(cfg)
     runs = []
     for linear_of in (lambda rec: recording_linear(rec, SITES),
-                      lambda rec: (lambda f: lambda site, x, W: f(site, x, W))(
-                          recording_linear(rec, SITES))):
+                      lambda rec: as_plain_function(recording_linear(rec, SITES))):
         rec, streams = {}, {}
         out = suffix(prefix(x), linear_of(rec), streams=streams)
         runs.append((out, {s: rec[s] for s in SITES}, streams))
