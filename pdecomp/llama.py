@@ -180,13 +180,9 @@ def _reads(linear: LinearFn, i: int) -> Any:
     that read alike can share one scan. A plain linear fn: each layer its own."""
     if not isinstance(linear, SiteLinear):
         return i
-    out = []
-    for n in (*ATTN, *MLP):
-        data = linear.data.get(site_name(i, n), ...)
-        if data is not ...:
-            out.append((n, jax.tree.structure(data),
-                        tuple((x.shape, x.dtype) for x in jax.tree.leaves(data))))
-    return tuple(out)
+    read = {n: linear.data[site_name(i, n)] for n in (*ATTN, *MLP)
+            if site_name(i, n) in linear.data}
+    return jax.tree.structure(read), [(x.shape, x.dtype) for x in jax.tree.leaves(read)]
 
 
 class Llama(eqx.Module):
@@ -276,7 +272,8 @@ class Llama(eqx.Module):
         while i < stop:
             j = i + 1
             if i in hooked:
-                while j < stop and j in hooked and _reads(linear, j) == _reads(linear, i):
+                reads = _reads(linear, i)
+                while j < stop and j in hooked and _reads(linear, j) == reads:
                     j += 1
                 h = (self._scan_sites(h, i, j, linear, rope, streams, remat) if j - i > 1 else
                      self._hooked(h, i, linear, rope, streams))
