@@ -232,6 +232,42 @@ def test_block_diagonal_ci_mlp_only_where_the_step_is_lowered_for_cpu():
     assert group_matmul not in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
+@pytest.mark.parametrize("hidden", [[8], [8, 4], []])
+def test_vector_mlp_contracts_the_shared_input_without_a_per_component_copy(hidden):
+    """`vector_mlp` feeds every component the whole site input: its first layer is one
+    contraction of that input with all C components' weights. The same numbers (values and
+    gradients, 1e-6) as the formulation that broadcast the input to every component first,
+    and no [*pos, C, d_in] buffer anywhere in the step's program."""
+    from pdecomp.ci import ComponentwiseMLP
+
+    C, d_in, n = 24, 40, 32
+    net = ComponentwiseMLP.init(jax.random.PRNGKey(0), C, d_in, hidden, on_inner_acts=False)
+    net = jax.tree.map(lambda w: w + 0.1, net)
+    x = jax.random.normal(jax.random.PRNGKey(2), (n, d_in))
+    V = jnp.zeros((d_in, C))  # unread by vector_mlp
+    cot = jax.random.normal(jax.random.PRNGKey(3), (n, C))
+
+    def broadcast_form(net, x):  # the earlier formulation, written out
+        h = jnp.broadcast_to(x[:, None, :], (n, C, d_in))
+        for i, (w, b) in enumerate(zip(net.weights, net.biases)):
+            h = jnp.einsum("nci,cio->nco", jax.nn.gelu(h) if i else h, w) + b
+        return h[..., 0]
+
+    def loss(f):
+        return lambda net, x: jnp.sum(f(net, x) * cot)
+
+    with jax.default_matmul_precision("highest"):
+        new, new_g = jax.value_and_grad(loss(lambda m, x: m(x, V)), argnums=(0, 1))(net, x)
+        old, old_g = jax.value_and_grad(loss(broadcast_form), argnums=(0, 1))(net, x)
+    np.testing.assert_allclose(new, old, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(new_g), jax.tree.leaves(old_g), strict=True):
+        # float32 sums in another order: 1e-6 of the largest entry, not of each near-zero one
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * float(np.abs(b).max()))
+    step = jax.jit(jax.grad(loss(lambda m, x: m(x, V)), argnums=(0, 1)))
+    hlo = step.lower(net, x).compile().as_text()
+    assert f"f32[{n},{C},{d_in}]" not in hlo and f"f32[{C},{n},{d_in}]" not in hlo
+
+
 def test_ci_mlp_init_he_into_gelu_and_unit_gain_at_the_linear_output():
     from pdecomp.ci import ComponentwiseMLP, SharedMLP
 
