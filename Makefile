@@ -1,19 +1,26 @@
 # make run: install if needed, then decompose the default toy (TMS 5-2) on CPU.
 # make test: install if needed (with the deviceless GPU compile plugin), then the whole test
 # suite (slow tiers included) on Python 3.12 with jax 0.11 (constraints.txt), the versions
-# the GPU jobs run, then the fast tier on Python 3.11 with jax 0.10 (constraints-jax010.txt).
+# the GPU jobs run, then what can differ between jax versions (the `jax_versions` marker) on
+# Python 3.11 with jax 0.10 (constraints-jax010.txt). Test files run on TEST_WORKERS
+# processes (pytest-xdist), each file whole on one of them so its module fixtures are made
+# once; every process of a run shares one fresh JAX compilation cache (tests/conftest.py,
+# off with PDECOMP_TEST_NO_CACHE=1).
+# make test-fast: the quick tier for a change in progress (not slow, not SLURM).
 PY_VERSION ?= 3.12
 CONSTRAINTS ?= constraints.txt
 PYTHON ?= $(shell scripts/find_python.sh $(PY_VERSION))
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+TEST_WORKERS ?= 2
+PYTEST = $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # The CUDA compile plugin for deviceless GPU gates (gate.target=h100|h200|b200), at jaxlib's
 # version, kept out of site-packages so CPU runs never load it (pdecomp/hardware.py).
 GPU_COMPILE := $(VENV)/gpu-compile
 GPU_STAMP := $(GPU_COMPILE)/.installed
 
-.PHONY: install install-gpu-compile run test test-fast test-jax010 bench lint clean
+.PHONY: install install-gpu-compile run test test-fast test-jax010 test-marked bench lint clean
 
 # A venv of another Python (an older checkout's) is made anew rather than upgraded in place.
 $(STAMP): pyproject.toml $(CONSTRAINTS)
@@ -37,18 +44,21 @@ run: install
 	$(VENV)/bin/pdecomp $(ARGS)
 
 test: install install-gpu-compile
-	$(PY) -m pytest -q
+	$(PYTEST)
 	$(MAKE) test-jax010
 
 test-fast: install install-gpu-compile
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow and not slurm"
 
 # The oldest supported versions, Python 3.11 with jax 0.10 (XLA's dump format and buffer
-# assignment differ from 0.11's), in a venv of their own: the fast tier.
+# assignment differ from 0.11's), in a venv of their own: the tests marked jax_versions.
 JAX010 := PY_VERSION=3.11 CONSTRAINTS=constraints-jax010.txt VENV=.venv-jax010
 test-jax010:
 	$(MAKE) install install-gpu-compile $(JAX010)
-	.venv-jax010/bin/python -m pytest -q -m "not slow"
+	$(MAKE) test-marked MARK=jax_versions $(JAX010)
+
+test-marked: install
+	$(PYTEST) -m "$(MARK)"
 
 bench: install install-gpu-compile
 	$(PY) bench/bench_tms.py

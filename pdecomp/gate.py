@@ -90,13 +90,15 @@ def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, 
     flops = None if detach else program_flops(lowered)
     mm_flops = matmul_flops(traced.jaxpr)
     if detach:
-        compiled, sizes, dump = _compile_detached(
-            lowered, sum(parts.values()) if parts else None)
+        with _persistent_cache_off():
+            compiled, sizes, dump = _compile_detached(
+                lowered, sum(parts.values()) if parts else None)
         compile_s = time.perf_counter() - t0
         temps = largest_temps(dump, top_temps) if top_temps else []
     else:
         dump_dir = tempfile.TemporaryDirectory(prefix="pdecomp-gate-") if top_temps else None
-        with dump_dir or contextlib.nullcontext():
+        with dump_dir or contextlib.nullcontext(), \
+                _persistent_cache_off() if dump_dir else contextlib.nullcontext():
             compiled = lowered.compile({"xla_dump_to": dump_dir.name} if dump_dir else None)
             compile_s = time.perf_counter() - t0
             temps = largest_temps(Path(dump_dir.name), top_temps) if dump_dir else []
@@ -236,6 +238,28 @@ def _dumped(dump: Path) -> bool:
         return False
     held = _open_files()
     return held is not None and not any(str(p.resolve()) in held for p in files)
+
+
+@contextlib.contextmanager
+def _persistent_cache_off() -> Any:
+    """JAX's persistent compilation cache off for the compiles started inside. A cache hit
+    hands back a stored executable without compiling, so XLA writes no buffer assignment: a
+    gate that reads one (a detached gate's figures, the largest temporaries) compiles
+    afresh. JAX decides once per process whether the cache is used; the documented reset
+    makes it decide again. Without a cache directory this does nothing."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    if not (jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir):
+        yield
+        return
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        # A detached compile still running took its (absent) cache key when it started.
+        jax.config.update("jax_enable_compilation_cache", True)
+        compilation_cache.reset_cache()
 
 
 def _compile_detached(lowered, expected_argument: int | None

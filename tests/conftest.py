@@ -2,16 +2,41 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+
+def _one_compilation_cache_per_run() -> None:
+    """JAX's persistent compilation cache, shared by every process of this test run (this
+    one, xdist's workers, each CLI subprocess: they inherit the environment) and by nothing
+    else: a directory made fresh for the run, so no run reads another run's, or another jax
+    version's, executables. Most of the suite's time is XLA compiling the same small steps
+    again in new processes. PDECOMP_TEST_NO_CACHE=1 runs the suite without it."""
+    names = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
+    if os.environ.get("PDECOMP_TEST_NO_CACHE") == "1":
+        for name in names:
+            os.environ.pop(name, None)
+        return
+    if os.environ.get(_RUN_CACHE) is None:  # the run's first process: xdist's controller
+        os.environ[_RUN_CACHE] = tempfile.mkdtemp(prefix="pdecomp-test-jax-cache-")
+        atexit.register(shutil.rmtree, os.environ[_RUN_CACHE], ignore_errors=True)
+    os.environ.update(dict(zip(names, (os.environ[_RUN_CACHE], "0", "-1"), strict=True)))
+
+
+_RUN_CACHE = "PDECOMP_TEST_RUN_CACHE"
+# Before anything imports jax, which reads these once.
+_one_compilation_cache_per_run()
 
 from launcher import cluster
 from pdecomp import hardware
@@ -138,3 +163,17 @@ def cache(env: dict[str, str]) -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PDECOMP_CACHE", env["PDECOMP_CACHE"])
         yield
+
+
+# The test files that take longest (`pytest --durations`, bench/RESULTS.md), longest first.
+# `make test` hands whole files to its workers in collection order (`--dist loadfile
+# --no-loadscope-reorder`): started first, they run beside the many short files instead of
+# leaving one worker alone with one of them at the end.
+LONGEST_FIRST = ("test_cli_lm.py", "test_slurm.py", "test_lm.py", "test_cli_journeys.py",
+                 "test_cli_faults.py", "test_gate.py", "test_cli_bad_input.py",
+                 "test_packaging.py", "test_analyze.py", "test_disk_full.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file

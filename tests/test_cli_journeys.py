@@ -107,6 +107,7 @@ def test_findings_table_keeps_site_names_whole_on_a_narrow_console(
 # --- one run ---------------------------------------------------------------------------
 
 
+@pytest.mark.jax_versions  # the one CLI run under every version
 def test_run_with_overrides_in_every_group(full_run) -> None:
     run_dir, proc = full_run
     ok(proc)

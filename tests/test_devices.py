@@ -5,7 +5,10 @@ from __future__ import annotations
 import textwrap
 
 import numpy as np
+import pytest
 from conftest import run_on_cpu_devices
+
+pytestmark = pytest.mark.jax_versions  # the step's numbers on 1 and 8 devices
 
 SCRIPT = textwrap.dedent("""
     import json, sys, dataclasses as dc

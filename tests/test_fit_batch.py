@@ -11,6 +11,8 @@ from conftest import load_json, pdecomp
 
 from pdecomp.gate import fit_batch, format_report
 
+pytestmark = pytest.mark.jax_versions  # the search reads the gate's compiled figures
+
 MiB = 2**20
 
 

@@ -20,6 +20,8 @@ from pdecomp.config import ConfigError, RunConfig
 from pdecomp.gate import tree_bytes
 from pdecomp.run import GateRefused, Hooks, decompose
 
+pytestmark = pytest.mark.jax_versions  # XLA's buffer assignment, dump and figures differ by version
+
 
 def _cfg(tmp_path, **memory):
     base = RunConfig()

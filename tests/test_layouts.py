@@ -9,7 +9,10 @@ from __future__ import annotations
 import textwrap
 
 import numpy as np
+import pytest
 from conftest import run_on_cpu_devices
+
+pytestmark = pytest.mark.jax_versions  # the step's numbers under every layout on 8 devices
 
 SCRIPT = textwrap.dedent("""
     import json, dataclasses as dc

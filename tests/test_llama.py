@@ -17,6 +17,8 @@ from jax.sharding import PartitionSpec as P
 from pdecomp.components import frozen_linear
 from pdecomp.llama import CheckpointError, check_hf, init_llama, load_config, load_hf
 
+pytestmark = pytest.mark.jax_versions  # the checkpoint loader and its logits
+
 FIXTURES = Path(__file__).parent / "fixtures" / "llama"
 CHECKPOINTS = ["gqa_llama3", "tied_sharded"]
 

@@ -20,6 +20,8 @@ from pdecomp.config import ConfigError, validate
 from pdecomp.llama import CheckpointError, load_config, load_hf
 from pdecomp.train import init_state, make_train_step
 
+pytestmark = pytest.mark.jax_versions  # the loader's variants and their logits
+
 VARIANTS = ["llama_bias", "qwen2_bias", "mistral_window", "qwen2_window"]
 
 

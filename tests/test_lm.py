@@ -343,6 +343,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.jax_versions  # the LM step's numbers on 1 and 8 devices
 def test_lm_steps_and_shared_sources_match_on_1_and_8_devices():
     one, eight = run_on_cpu_devices(SCRIPT, 1), run_on_cpu_devices(SCRIPT, 8)
     assert (one["n"], eight["n"]) == (1, 8)

@@ -16,6 +16,8 @@ from pdecomp.config import ConfigError, OptGroupConfig, RunConfig, validate
 from pdecomp.masks import Positions, sample_forward_masks
 from pdecomp.train import init_state, make_train_step
 
+pytestmark = pytest.mark.jax_versions  # the step's numbers over microbatches
+
 # lr 1 and Adam's eps 1e-3: the first update is g / (|g| + 1e-3), smooth in the gradient, so the
 # updated state compares gradients. (With eps 1e-8 the first step is sign(g), where a
 # gradient element that cancels to ~0 may take either sign on any summation order.)

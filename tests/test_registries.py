@@ -14,6 +14,8 @@ from launcher import app
 from pdecomp import ci, hardware, losses, masks, train
 from pdecomp.config import ConfigError, RunConfig, validate
 
+pytestmark = pytest.mark.jax_versions  # every option composes and validates under each version
+
 CONFIG_PY = Path(__file__).resolve().parents[1] / "pdecomp" / "config.py"
 
 

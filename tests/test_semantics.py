@@ -24,6 +24,8 @@ from pdecomp.config import RunConfig, TMSConfig
 from pdecomp.masks import make_plan, masks_from_sources, sample_routing, sample_source
 from pdecomp.targets import TMS, init_target
 
+pytestmark = pytest.mark.jax_versions  # the method's numbers: random bits, custom gradients, the step
+
 X = jnp.array([-2.0, -0.5, 0.0, 0.3, 1.0, 1.5, 3.0])
 
 

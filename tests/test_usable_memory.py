@@ -14,6 +14,8 @@ from pdecomp.config import ConfigError, RunConfig
 from pdecomp.gate import format_report
 from pdecomp.run import gate_cap
 
+pytestmark = pytest.mark.jax_versions  # the deviceless caps come from the compiled figures
+
 # Every SLURM task runs launcher.job.run_job with an environment like this one.
 SLURM_ENV = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "3", "SLURM_NTASKS": "8",
              "SLURM_JOB_NODELIST": "gpu[01-02]", "PATH": "/usr/bin"}
