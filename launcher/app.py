@@ -6,6 +6,7 @@ starts, so a bad value ends with one line and exit code 2, leaving no run direct
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import os
 import re
@@ -239,12 +240,19 @@ def main() -> None:
     _main()
 
 
+# Subcommands of their own, not Hydra jobs: `pdecomp <name> ...` -> the library's `main`.
+SUBCOMMANDS = {"analyze": "pdecomp.analyze", "convert": "pdecomp.from_gguf",
+               "tokenize": "pdecomp.text"}
+
+
 def _main() -> None:
-    if sys.argv[1:2] == ["analyze"]:  # a subcommand of its own, not a Hydra job
+    if sys.argv[1:2] == ["analyze"]:
         from launcher.job import log_report
         from pdecomp.analyze import main as analyze
 
         sys.exit(analyze(sys.argv[2:], on_report=log_report))
+    if sys.argv[1:2] and sys.argv[1] in SUBCOMMANDS:
+        sys.exit(importlib.import_module(SUBCOMMANDS[sys.argv[1]]).main(sys.argv[2:]))
     cluster.split_cpu_devices()
     hardware.no_gpu_autotuning_without_gpus()
     overrides = _overrides(sys.argv[1:])

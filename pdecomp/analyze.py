@@ -14,7 +14,6 @@ from the evaluation seed.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import html
 import math
@@ -31,6 +30,7 @@ import numpy as np
 from jaxtyping import Array
 
 from pdecomp import metrics, plots, targets
+from pdecomp.commands import Parser, progress_bar
 from pdecomp.config import EVAL_SEED_OFFSET, EXIT_BAD_CONFIG, site_names_of
 from pdecomp.kinds import kind_of
 from pdecomp.lm import token_stream
@@ -395,21 +395,8 @@ def write_report(a: Analysis, run_dir: Path) -> Path:
     return final / "index.html"
 
 
-def _progress_bar(total: int, label: str) -> tuple[Callable[[int, int], None],
-                                                    Callable[[], None]]:
-    """A rich progress bar on a terminal; nothing on a pipe or a file."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-    bar = Progress("[progress.description]{task.description}", BarColumn(),
-                   MofNCompleteColumn(), TimeElapsedColumn(), transient=True,
-                   disable=not sys.stderr.isatty())
-    task = bar.add_task(label, total=total)
-    bar.start()
-    return (lambda done, _: bar.update(task, completed=done)), bar.stop
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def parser() -> Parser:
+    p = Parser(
         prog="pdecomp analyze",
         description="Write a static HTML report on a finished run's components into "
                     "<run_dir>/analysis/ (index.html and the plots as PNGs).")
@@ -445,7 +432,7 @@ def main(argv: Sequence[str],
         return EXIT_BAD_CONFIG
     lm = reads_tokens(run)
     total = args.windows if lm else args.inputs
-    update, stop = _progress_bar(total, "held-out windows" if lm else "inputs")
+    update, stop = progress_bar(total, "held-out windows" if lm else "inputs")
     try:
         a = analyse(run, args.windows, args.inputs, args.top_k, args.batch_size, update)
     finally:
