@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.jax_versions  # the cache's format and keys are jax's own
+# jax_versions: the cache's format and keys are jax's own; slow: three whole runs, outside the
+# quick tier (make test-fast)
+pytestmark = [pytest.mark.jax_versions, pytest.mark.slow]
 
 # A short TMS run through the library in a fresh process; its history, gate report and
 # how many compiles the persistent cache served.

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 from conftest import run_on_cpu_devices
 
-pytestmark = pytest.mark.jax_versions  # the step's numbers on 1 and 8 devices
+# jax_versions: the step's numbers on 1 and 8 devices; slow: 25 s of 8-device processes, outside
+# the quick tier (make test-fast)
+pytestmark = [pytest.mark.jax_versions, pytest.mark.slow]
 
 SCRIPT = textwrap.dedent("""
     import json, sys, dataclasses as dc

@@ -263,7 +263,7 @@ def test_tokenize_writes_documents_with_eos_that_the_token_reader_takes(tmp_path
     (corpus / "sub").mkdir(parents=True)
     (corpus / "a.txt").write_text("the band and the\n\nin them")
     (corpus / "sub" / "b.txt").write_text("and the 42")
-    (corpus / "skip.md").write_text("not taken: not *.txt")
+    (corpus / "skip.rst").write_text("not taken: not *.txt")
     out = tmp_path / "tokens.bin"
     assert text.main([str(corpus), "--model", str(model), "-o", str(out)]) == 0
     tok = Tokenizer.from_file(str(model / "tokenizer.json"))

@@ -193,6 +193,7 @@ def test_deviceless_target_without_gate_only_is_a_config_error(tmp_path):
         decompose(cfg, tmp_path / "run")
 
 
+@pytest.mark.slow  # 13-18 s: outside the quick tier (make test-fast)
 def test_fit_batch_finds_the_largest_batch_under_the_cap(tmp_path):
     # cap set between the peaks of batch 256 and 4096: the search must land in between,
     # and the chosen batch must fit while the next candidate up does not.
@@ -252,6 +253,7 @@ def test_matmul_flops_count_loops_rematerialization_and_branches():
     assert gate.matmul_flops(batched.jaxpr) == 2 * 3 * 4 * 5 * 6
 
 
+@pytest.mark.slow  # 13-18 s: outside the quick tier (make test-fast)
 def test_offloaded_optimizer_moments_on_a_deviceless_gpu_are_an_upper_bound(tmp_path):
     """memory.offload_opt_state: compile-only GPUs have no host memory space (jax drops the
     memory kind), so the gate counts the moments as device arguments and says so; the step

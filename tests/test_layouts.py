@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from conftest import run_on_cpu_devices
 
-pytestmark = pytest.mark.jax_versions  # the step's numbers under every layout on 8 devices
+# 36 s of 8-device processes: outside the quick tier (make test-fast)
+pytestmark = pytest.mark.slow
 
 SCRIPT = textwrap.dedent("""
     import json, dataclasses as dc

@@ -68,6 +68,7 @@ def test_a_bias_the_config_implies_must_be_stored(tmp_path):
         load_hf(path)
 
 
+@pytest.mark.slow  # 15 s: outside the quick tier (make test-fast)
 def test_a_model_without_a_checkpoint_takes_the_flags_and_decomposes():
     """model.attn_bias and model.sliding_window give a pathless Llama its biases and window:
     the window changes the logits once the sequence outgrows it, and a decomposition step

@@ -247,6 +247,7 @@ def test_shared_source_gradient_is_the_average_over_what_it_is_shared_by(setup):
         assert float(jnp.abs(g_shared[s]).sum()) > 0
 
 
+@pytest.mark.slow  # 10-25 s each: outside the quick tier (make test-fast)
 @pytest.mark.parametrize("optimizer", ["adam", "sign"])
 def test_ascent_increases_the_distance_and_clamps(setup, optimizer):
     cfg, target, state = setup
@@ -262,6 +263,7 @@ def test_ascent_increases_the_distance_and_clamps(setup, optimizer):
         assert float(v.min()) >= 0.0 and float(v.max()) <= 1.0
 
 
+@pytest.mark.slow  # 10-25 s each: outside the quick tier (make test-fast)
 def test_fresh_eval_pgd_starts_anew_ascends_and_reports_ce_and_kl(setup):
     cfg, target, state = setup
     c = clean_forward(cfg, target, state)
@@ -320,6 +322,7 @@ def test_state_round_trip_through_a_checkpoint_continues_the_trajectory(setup, s
         assert float(m_resumed[k]) == pytest.approx(float(m_straight[k]), rel=1e-6), k
 
 
+@pytest.mark.slow  # 10-25 s each: outside the quick tier (make test-fast)
 @pytest.mark.parametrize("remat", ["full", "save_dots", "names", "offload"])  # vs none
 def test_remat_policies_keep_the_numbers(setup, step, remat):
     cfg, target, state = setup
@@ -343,6 +346,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # 10-25 s each: outside the quick tier (make test-fast)
 @pytest.mark.jax_versions  # the LM step's numbers on 1 and 8 devices
 def test_lm_steps_and_shared_sources_match_on_1_and_8_devices():
     one, eight = run_on_cpu_devices(SCRIPT, 1), run_on_cpu_devices(SCRIPT, 8)

@@ -16,8 +16,6 @@ from pdecomp.config import ConfigError, OptGroupConfig, RunConfig, validate
 from pdecomp.masks import Positions, sample_forward_masks
 from pdecomp.train import init_state, make_train_step
 
-pytestmark = pytest.mark.jax_versions  # the step's numbers over microbatches
-
 # lr 1 and Adam's eps 1e-3: the first update is g / (|g| + 1e-3), smooth in the gradient, so the
 # updated state compares gradients. (With eps 1e-8 the first step is sign(g), where a
 # gradient element that cancels to ~0 may take either sign on any summation order.)
@@ -57,6 +55,7 @@ def assert_same_step(cfg: RunConfig, target, batch, n: int) -> None:
         assert err <= 1e-5, f"{jax.tree_util.keystr(path)}: relative error {err:.2e}"
 
 
+@pytest.mark.slow  # 20 s: outside the quick tier (make test-fast)
 def test_llama_tiny_step_over_microbatches_is_the_whole_batch_step():
     """Chunkwise uniform-k recon, persistent PGD (2 warmup ascents, sources shared by the
     batch, so every ascent sums all microbatches' gradients) and the global CI transformer,
