@@ -3,8 +3,8 @@
 # suite (slow tiers included) on Python 3.12 with jax 0.11 (constraints.txt), the versions
 # the GPU jobs run, then what can differ between jax versions (the `jax_versions` marker) on
 # Python 3.11 with jax 0.10 (constraints-jax010.txt). Test files run on TEST_WORKERS
-# processes (pytest-xdist; 3 on 2 cores: a quarter of the suite's time waits on processes,
-# schedulers and signals), each file whole on one of them so its module fixtures are made
+# processes (pytest-xdist; one per core: with three on two cores the local SLURM cluster
+# failed to restart a requeued job), each file whole on one of them so its module fixtures are made
 # once; every process of a run shares one fresh JAX compilation cache (tests/conftest.py,
 # off with PDECOMP_TEST_NO_CACHE=1).
 # make test-fast: the quick tier for a change in progress (not slow, not SLURM).
@@ -14,7 +14,7 @@ PYTHON ?= $(shell scripts/find_python.sh $(PY_VERSION))
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 2
 PYTEST = $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # The CUDA compile plugin for deviceless GPU gates (gate.target=h100|h200|b200), at jaxlib's
 # version, kept out of site-packages so CPU runs never load it (pdecomp/hardware.py).
