@@ -44,9 +44,12 @@ install-gpu-compile: $(GPU_STAMP)
 run: install
 	$(VENV)/bin/pdecomp $(ARGS)
 
+# The jax 0.10 venv installs while the main leg runs (mostly downloads and unpacking).
 test: install install-gpu-compile
-	$(PYTEST)
-	$(MAKE) test-jax010
+	@$(MAKE) -s install install-gpu-compile $(JAX010) > .venv-jax010.log 2>&1 & installing=$$!; \
+	$(PYTEST); tests=$$?; \
+	wait $$installing || { cat .venv-jax010.log; exit 1; }; \
+	[ $$tests -eq 0 ] && $(MAKE) test-jax010
 
 test-fast: install install-gpu-compile
 	$(PYTEST) -m "not slow and not slurm"

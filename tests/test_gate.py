@@ -20,8 +20,6 @@ from pdecomp.config import ConfigError, RunConfig
 from pdecomp.gate import tree_bytes
 from pdecomp.run import GateRefused, Hooks, decompose
 
-pytestmark = pytest.mark.jax_versions  # XLA's buffer assignment, dump and figures differ by version
-
 
 def _cfg(tmp_path, **memory):
     base = RunConfig()
@@ -34,6 +32,7 @@ def _cfg(tmp_path, **memory):
         logging=dc.replace(base.logging, log_every=10, plots=False))
 
 
+@pytest.mark.jax_versions  # XLA's buffer assignment, dump and figures
 def test_report_fields_and_argument_bytes(tmp_path):
     cfg = dc.replace(_cfg(tmp_path), gate=dc.replace(RunConfig().gate, only=True))
     out = decompose(cfg, tmp_path / "run")
@@ -50,6 +49,7 @@ def test_report_fields_and_argument_bytes(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()  # gate only: nothing trained
 
 
+@pytest.mark.jax_versions  # XLA's buffer assignment, dump and figures
 def test_over_cap_run_is_refused_before_any_state_exists(tmp_path):
     cfg = _cfg(tmp_path, hbm_cap_gib=1e-6)
     with pytest.raises(GateRefused) as e:
@@ -61,6 +61,7 @@ def test_over_cap_run_is_refused_before_any_state_exists(tmp_path):
     assert not [a for a in jax.live_arrays() if a.shape in ((5, 20), (20, 2))]
 
 
+@pytest.mark.jax_versions  # XLA's buffer assignment, dump and figures
 def test_training_runs_the_gated_executable_without_recompiling(tmp_path, caplog):
     cfg = _cfg(tmp_path)
     decompose(cfg, tmp_path / "warm")  # train and cache the target first
@@ -111,6 +112,7 @@ ARG_BYTES_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.jax_versions  # XLA's buffer assignment, dump and figures
 @pytest.mark.parametrize("n_devices", [1, 8])
 def test_argument_bytes_match_an_independent_count(tmp_path, n_devices):
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n_devices}")
@@ -128,6 +130,7 @@ def test_argument_bytes_match_an_independent_count(tmp_path, n_devices):
     assert report["largest_temps"] and report["largest_temps"][0]["source"]
 
 
+@pytest.mark.jax_versions  # XLA's buffer assignment, dump and figures
 @pytest.mark.parametrize(("gpu", "hosts", "per_host", "gib"),
                          [("h100", 1, 1, 79.1), ("h200", 1, 8, 141.0), ("b200", 8, 8, 178.4)])
 def test_deviceless_gpu_targets(tmp_path, gpu, hosts, per_host, gib):
@@ -149,6 +152,7 @@ def test_deviceless_gpu_targets(tmp_path, gpu, hosts, per_host, gib):
     assert jax.default_backend() == "cpu"  # the CUDA compile plugin did not take over
 
 
+@pytest.mark.jax_versions  # XLA's buffer assignment, dump and figures
 def test_buffer_assignment_sums_like_memory_analysis(tmp_path):
     """The detached gate's reading of XLA's dump, against XLA's own figures (donation on,
     so alias counts too)."""
@@ -164,6 +168,7 @@ def test_buffer_assignment_sums_like_memory_analysis(tmp_path):
     assert sizes["alias"] == 256 * 256 * 4
 
 
+@pytest.mark.jax_versions  # XLA's buffer assignment, dump and figures
 def test_detached_deviceless_gate_reports_what_the_whole_compile_does(tmp_path):
     """A gate-only deviceless run reads its figures at XLA's buffer assignment and leaves
     code generation running; the figures equal those of the finished compile."""
@@ -186,6 +191,7 @@ def test_detached_deviceless_gate_reports_what_the_whole_compile_does(tmp_path):
     assert early["fits"] == whole["fits"]
 
 
+@pytest.mark.jax_versions  # XLA's buffer assignment, dump and figures
 def test_deviceless_target_without_gate_only_is_a_config_error(tmp_path):
     cfg = _cfg(tmp_path)
     cfg = dc.replace(cfg, gate=dc.replace(cfg.gate, target="h100"))
@@ -229,6 +235,7 @@ def test_fit_batch_refuses_a_cap_between_the_arguments_and_the_peak_in_one_compi
     assert e.value.report["peak_bytes"] == one["peak_bytes"]
 
 
+@pytest.mark.jax_versions  # XLA's buffer assignment, dump and figures
 def test_matmul_flops_count_loops_rematerialization_and_branches():
     """Every dot_general of a step, a scan's body times its length, the backward's
     recomputation of a checkpointed body included, a cond's costliest branch."""
@@ -253,6 +260,7 @@ def test_matmul_flops_count_loops_rematerialization_and_branches():
     assert gate.matmul_flops(batched.jaxpr) == 2 * 3 * 4 * 5 * 6
 
 
+@pytest.mark.jax_versions  # XLA's buffer assignment, dump and figures
 @pytest.mark.slow  # 13-18 s: outside the quick tier (make test-fast)
 def test_offloaded_optimizer_moments_on_a_deviceless_gpu_are_an_upper_bound(tmp_path):
     """memory.offload_opt_state: compile-only GPUs have no host memory space (jax drops the

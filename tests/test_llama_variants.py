@@ -20,11 +20,10 @@ from pdecomp.config import ConfigError, validate
 from pdecomp.llama import CheckpointError, load_config, load_hf
 from pdecomp.train import init_state, make_train_step
 
-pytestmark = pytest.mark.jax_versions  # the loader's variants and their logits
-
 VARIANTS = ["llama_bias", "qwen2_bias", "mistral_window", "qwen2_window"]
 
 
+@pytest.mark.jax_versions  # the loader's variants
 @pytest.mark.parametrize("name", VARIANTS)
 def test_logits_match_transformers(name):
     path = FIXTURES / name
@@ -41,6 +40,7 @@ def test_logits_match_transformers(name):
         assert _rel_err(logits, ref) <= 1e-5, hooked
 
 
+@pytest.mark.jax_versions  # the loader's variants
 def test_what_each_config_json_makes_of_its_flags():
     biases = {n: load_config(FIXTURES / n).bias for n in VARIANTS}
     assert biases == {"llama_bias": ("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -51,6 +51,7 @@ def test_what_each_config_json_makes_of_its_flags():
                        "qwen2_window": (0, 6)}
 
 
+@pytest.mark.jax_versions  # the loader's variants
 def test_qwen2_without_use_sliding_window_ignores_its_window(tmp_path):
     """The Hub's Qwen2 configs carry a sliding_window with use_sliding_window false, which
     transformers ignores: so does the loader (the logits stay those of full attention)."""
@@ -61,6 +62,7 @@ def test_qwen2_without_use_sliding_window_ignores_its_window(tmp_path):
     assert _rel_err(np.asarray(load_hf(path)(x)), np.load(path / "logits.npy")) <= 1e-5
 
 
+@pytest.mark.jax_versions  # the loader's variants
 def test_a_bias_the_config_implies_must_be_stored(tmp_path):
     path = _variant(tmp_path, "b", attention_bias=True)
     with pytest.raises(CheckpointError, match=r"tensor model.layers.0.self_attn.q_proj.bias "
@@ -96,6 +98,7 @@ def test_a_model_without_a_checkpoint_takes_the_flags_and_decomposes():
     ("attn_bias", ["q_proj", "qkv"], "model.attn_bias"),
     ("sliding_window", -1, "model.sliding_window"),
 ])
+@pytest.mark.jax_versions  # the loader's variants
 def test_bad_flags_are_named(field, value, message):
     cfg = tiny_cfg()
     with pytest.raises(ConfigError, match=message):
