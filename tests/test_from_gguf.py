@@ -124,8 +124,8 @@ def write_gguf(src: Path, dest: Path, qtype: Q = Q.F32, arch: str | None = None,
 
 
 def logits(path: Path) -> np.ndarray:
-    tokens = np.load(FIXTURES / path.name / "tokens.npy") if (
-        FIXTURES / path.name).exists() else None
+    """The converted model's logits on the tokens of the fixture of the same name."""
+    tokens = np.load(FIXTURES / path.name / "tokens.npy")
     return np.asarray(jax.jit(lambda m, t: m(t))(load_hf(path), tokens))
 
 
