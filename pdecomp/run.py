@@ -132,6 +132,13 @@ def calibrate(report: dict[str, Any], mesh: Mesh) -> bool:
     return True
 
 
+def note_peak(g: "Gated", phase: str) -> None:
+    """The measured peak so far (it only grows) at the end of `phase`, in the gate's report:
+    which phase set the run's peak, against the step the gate predicted."""
+    if (measured := measured_memory(g.mesh)) is not None:
+        g.report.setdefault("measured_peak_by_phase_bytes", {})[phase] = int(measured[0])
+
+
 def gate_cap(cfg: RunConfig, mesh: Mesh) -> tuple[int, str, dict[str, Any] | None]:
     """The per-device cap and where it came from (`gate.device_cap_bytes`; for a deviceless
     target, the card's memory from the hardware table x the usable fraction, the pool a job
@@ -298,12 +305,16 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
     if hooks.keep_freed_host_memory and jax.default_backend() == "cpu":
         hardware.keep_freed_host_memory()
     target, target_meta = load_target(cfg, g.target_abs, hooks.log)
+    note_peak(g, "target loaded")
     ckpt = Checkpointer(run_dir / "checkpoints", writer=True,
                         quiet=hooks.quiet_checkpoint_failures)
     state, start = initial_state(cfg, g, target, ckpt, hooks.log)
+    note_peak(g, "initial state")
     state, history = train(cfg, g, target, state, start, ckpt, run_dir, hooks)
+    note_peak(g, "training")
 
     summary, evaluated = evaluate(cfg, target, state, g.batch_sharding)
+    note_peak(g, "evaluation")
     summary.update(draw(cfg, evaluated, history, run_dir))
     last = history[-1] if history else {}
     summary.update({k: v for k, v in last.items() if k.startswith(("loss/", "perf/"))})
