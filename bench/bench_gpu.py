@@ -47,8 +47,8 @@ JOBS: dict[str, tuple[list[str], str, str]] = {
          "optim.microbatches=4", "mesh=single", "optim.faith_warmup_steps=0",
          "optim.steps=20", "logging.log_every=10", "loss.eval_pgd.n_steps=0",
          "data.eval_batches=1"],
-        "bfloat16", "Llama-3.1-8B shapes, 20 layers, layer 18 MLP (3 sites, C = 16384), "
-                    "batch 32 x 512 in 4 microbatches, random weights"),
+        "bfloat16", ("Llama-3.1-8B shapes, 20 layers, layer 18 MLP (3 sites, C = 16384), "
+                     "batch 32 x 512 in 4 microbatches, random weights")),
 }
 
 

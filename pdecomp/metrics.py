@@ -77,32 +77,8 @@ def lm_mask_metrics(target, components: Components, ci_fn, batches: Sequence[Arr
     masked by each of MASK_KINDS, and by a fresh adversary (`pgd`, kind "pgd", when it has
     steps), mean over the batches; ce_unrecovered per kind = (CE_masked − CE_target) /
     (CE_zero − CE_target): 0 is the target, 1 is no better than ablating every site."""
-    sites = tuple(components.sites)
     kinds = EVAL_KINDS if pgd.n_steps else MASK_KINDS
-
-    @jax.jit  # the model and its components are arguments, not constants of the program
-    def one(target, components, ci_fn, tokens, key):
-        prefix, suffix = target.split(sites, dtype)
-        resid = prefix(tokens)
-        record: dict[str, Array] = {}
-        clean = suffix(resid, recording_linear(record, sites))
-        logits = ci_fn({s: record[s] for s in sites}, components)
-        lower = {s: ci_lower(v) for s, v in logits.items()}
-        clean_lp = losses.recon_target("kl", clean)
-        out = {"ce/target": losses.cross_entropy(clean, tokens)}
-        for kind, k in zip(MASK_KINDS, jax.random.split(key, len(MASK_KINDS))):
-            masked = suffix(resid, masked_linear(components, eval_masks(kind, lower, k,
-                                                                        threshold, delta)))
-            out[f"ce/{kind}"] = losses.cross_entropy(masked, tokens)
-            out[f"kl/{kind}"] = losses.kl(masked, clean_lp)
-        if pgd.n_steps:
-            masked = suffix(resid, masked_linear(components, fresh_pgd_masks(
-                lambda m: losses.kl(suffix(resid, masked_linear(components, m)), clean_lp),
-                lower, jax.random.fold_in(key, len(MASK_KINDS)), delta, pgd)))
-            out["ce/pgd"] = losses.cross_entropy(masked, tokens)
-            out["kl/pgd"] = losses.kl(masked, clean_lp)
-        return out
-
+    one = mask_metrics_program(tuple(components.sites), threshold, delta, dtype, pgd)
     totals: dict[str, float | None] = {}
     for i, tokens in enumerate(batches):
         for k, v in one(target, components, ci_fn, tokens, jax.random.fold_in(key, i)).items():
@@ -114,6 +90,46 @@ def lm_mask_metrics(target, components: Components, ci_fn, batches: Sequence[Arr
         totals[f"ce_unrecovered/{kind}"] = ((totals[f"ce/{kind}"] - totals["ce/target"]) / gap
                                             if gap > 1e-6 else None)
     return totals
+
+
+def mask_metrics_program(sites: tuple[str, ...], threshold: float, delta: bool, dtype,
+                         pgd: EvalPGDConfig) -> Callable:
+    """The jitted program of `lm_mask_metrics` for one batch: (target, components, ci_fn,
+    tokens, key) -> {"ce/<kind>", "kl/<kind>": scalar}."""
+
+    @jax.jit  # the model and its components are arguments, not constants of the program
+    def one(target, components, ci_fn, tokens, key):
+        prefix, suffix = target.split(sites, dtype)
+        resid = prefix(tokens)
+        record: dict[str, Array] = {}
+        clean = suffix(resid, recording_linear(record, sites))
+        logits = ci_fn({s: record[s] for s in sites}, components)
+        lower = {s: ci_lower(v) for s, v in logits.items()}
+        clean_lp = losses.recon_target("kl", clean)
+        out = {"ce/target": losses.cross_entropy(clean, tokens)}
+        # One masked forward at a time (lax.map over the kinds' stacked masks): unrolled,
+        # XLA keeps every kind's vocabulary-sized logits alive at once, several times the
+        # training step's peak at LM sizes.
+        keys = jax.random.split(key, len(MASK_KINDS))
+        stacked = jax.tree.map(lambda *m: jnp.stack(m), *(
+            eval_masks(kind, lower, k, threshold, delta) for kind, k in zip(MASK_KINDS, keys)))
+
+        def ce_kl(masks):
+            masked = suffix(resid, masked_linear(components, masks))
+            return losses.cross_entropy(masked, tokens), losses.kl(masked, clean_lp)
+
+        ce, kl = jax.lax.map(ce_kl, stacked)
+        for i, kind in enumerate(MASK_KINDS):
+            out[f"ce/{kind}"], out[f"kl/{kind}"] = ce[i], kl[i]
+        if pgd.n_steps:
+            masked = suffix(resid, masked_linear(components, fresh_pgd_masks(
+                lambda m: losses.kl(suffix(resid, masked_linear(components, m)), clean_lp),
+                lower, jax.random.fold_in(key, len(MASK_KINDS)), delta, pgd)))
+            out["ce/pgd"] = losses.cross_entropy(masked, tokens)
+            out["kl/pgd"] = losses.kl(masked, clean_lp)
+        return out
+
+    return one
 
 
 def ci_summary(target, components: Components, ci_fn, batches: Iterable[Array],

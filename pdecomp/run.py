@@ -132,7 +132,7 @@ def calibrate(report: dict[str, Any], mesh: Mesh) -> bool:
     return True
 
 
-def note_peak(g: "Gated", phase: str) -> None:
+def note_peak(g: Gated, phase: str) -> None:
     """The measured peak so far (it only grows) at the end of `phase`, in the gate's report:
     which phase set the run's peak, against the step the gate predicted."""
     if (measured := measured_memory(g.mesh)) is not None:
@@ -312,13 +312,17 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
     note_peak(g, "initial state")
     state, history = train(cfg, g, target, state, start, ckpt, run_dir, hooks)
     note_peak(g, "training")
+    # Evaluation reads the components and the CI function alone: the optimizer's moments
+    # and the adversary (in the last checkpoint) are let go before it allocates anything.
+    steps, learned = int(state.step), Learned(state.components, state.ci_fn)
+    del state
 
-    summary, evaluated = evaluate(cfg, target, state, g.batch_sharding)
+    summary, evaluated = evaluate(cfg, target, learned, g.batch_sharding)
     note_peak(g, "evaluation")
     summary.update(draw(cfg, evaluated, history, run_dir))
     last = history[-1] if history else {}
     summary.update({k: v for k, v in last.items() if k.startswith(("loss/", "perf/"))})
-    summary["steps"] = int(state.step)
+    summary["steps"] = steps
     summary["target/seed"] = target_meta.get("seed")
     if calibrate(g.report, g.mesh):  # the whole run's peak, evaluation included
         write_json(run_dir / "gate.json", g.report)
@@ -528,6 +532,13 @@ def checkpoint(ckpt: Checkpointer, run_dir: Path, step: int, state: TrainState,
     ckpt.save(step, state)
 
 
+class Learned(NamedTuple):
+    """What a decomposition learned: all that evaluation and analysis read of a state."""
+
+    components: Any
+    ci_fn: Any
+
+
 class Evaluated(NamedTuple):
     """What the final evaluation read, as it read it (a toy's gathered whole on every
     process), and its per-site CI summary: what `draw` plots."""
@@ -537,15 +548,19 @@ class Evaluated(NamedTuple):
     ci: dict[str, dict[str, Any]]
 
 
-def evaluate(cfg: RunConfig, target, state: TrainState, batch_sharding: NamedSharding
+def evaluate(cfg: RunConfig, target, state: Learned | TrainState, batch_sharding: NamedSharding
              ) -> tuple[dict[str, Any], Evaluated]:
     """Final metrics on fresh held-out batches: live components and L0 per site, then the
     kind's own (the ground-truth match of a toy, CE/KL per mask type of an LM). Numbers
     only, and what was evaluated."""
     kind = kind_of(cfg.model)
     eval_key = jax.random.PRNGKey(cfg.seed + EVAL_SEED_OFFSET)
-    sample = kind.batch_sampler(cfg, batch_sharding, eval_key, held_out=True)
-    batches = [sample(i) for i in range(cfg.data.eval_batches)]
+    # In training's microbatches: a whole batch at once would need memory the step, which
+    # takes it in optim.microbatches pieces, never did.
+    n = cfg.optim.microbatches
+    micro = dc.replace(cfg, data=dc.replace(cfg.data, batch_size=cfg.data.batch_size // n))
+    sample = kind.batch_sampler(micro, batch_sharding, eval_key, held_out=True)
+    batches = [sample(i) for i in range(cfg.data.eval_batches * n)]
     replicated = NamedSharding(batch_sharding.mesh, P())
     target, components, ci_fn = kind.for_evaluation(
         (target, with_tied(state.components, tied_sites(cfg)), state.ci_fn), replicated)
