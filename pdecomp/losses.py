@@ -13,7 +13,13 @@ def faithfulness(deltas: Mapping[str, Array]) -> Float[Array, ""]:
     """Σ_sites ‖W − V@U‖²_F / Σ_sites numel(W), in fp32, from the deltas W − V@U
     (`components.weight_deltas`)."""
     sq = sum(jnp.sum(d.astype(jnp.float32) ** 2) for d in deltas.values())
-    return sq / sum(d.size for d in deltas.values())
+    return sq * per(sum(d.size for d in deltas.values()))
+
+
+def per(count: int) -> float:
+    """1 / count as a Python float: a count in a traced computation is an int32 constant,
+    and the sites' elements (an 8B's 13 MLP layers) or a batch's positions can pass 2^31."""
+    return 1.0 / count
 
 
 def p_at(step: Array | int, total_steps: int, p_start: float, p_end: float,
@@ -38,7 +44,7 @@ def importance_from_sums(S: Mapping[str, Float[Array, " C"]], n_pos: int, beta: 
     """Σ_sites Σ_c m_c (1 + β log2(1 + S_c)), m_c = S_c / n_pos."""
     total = jnp.zeros((), jnp.float32)
     for v in S.values():
-        total = total + jnp.sum(v / n_pos * (1.0 + beta * jnp.log2(1.0 + v)))
+        total = total + jnp.sum(v * per(n_pos) * (1.0 + beta * jnp.log2(1.0 + v)))
     return total
 
 

@@ -1,0 +1,60 @@
+"""Counts past 2^31: the decomposed matrices of 13 or more of Llama-3.1-8B's MLP layers
+hold more than 2^31 elements, which a traced computation cannot take as an int32 constant.
+Abstract shapes only: nothing is allocated."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from launcher.api import compose
+from pdecomp import losses
+from pdecomp.run import abstract_run
+from pdecomp.train import make_train_step
+
+D, F = 4096, 14336  # Llama-3.1-8B's d_embed and d_mlp
+
+
+def eight_b_mlps(layers: range) -> dict[str, jax.ShapeDtypeStruct]:
+    return {f"layers.{i}.mlp.{w}": jax.ShapeDtypeStruct((F, D) if w == "down_proj" else (D, F),
+                                                        jnp.bfloat16)
+            for i in layers for w in ("gate_proj", "up_proj", "down_proj")}
+
+
+def test_faithfulness_normaliser_past_2_31_is_exact():
+    deltas = eight_b_mlps(range(32))  # the 96 sites of issue #33: 5,637,144,576 elements
+    total = sum(int(np.prod(d.shape)) for d in deltas.values())
+    assert total == 5_637_144_576 > 2 ** 31
+    out = jax.eval_shape(losses.faithfulness, deltas)  # raised OverflowError while tracing
+    assert out.shape == () and out.dtype == jnp.float32
+    # The normaliser against exact arithmetic: f32(1 / total) to its last bit.
+    assert np.float32(losses.per(total)) == np.float32(1 / total)
+    ones = {"w": jnp.ones((4, 8), jnp.float32)}
+    assert float(losses.faithfulness(ones)) == 1.0
+
+
+def test_importance_over_more_than_2_31_positions():
+    ci = {"s": jax.ShapeDtypeStruct((2 ** 16, 2 ** 15 + 1, 1), jnp.float32)}  # 2^31 + 2^16
+    out = jax.eval_shape(lambda c: losses.importance_minimality(c, 2.0, 1e-6, 0.2), ci)
+    assert out.shape == ()
+    S = {"s": jnp.full((3,), 2.0 ** 33, jnp.float32)}
+    n = 2 ** 33  # m_c = S_c / n = 1 exactly
+    want = 3 * (1 + 0.2 * np.log2(1 + 2.0 ** 33))
+    assert float(losses.importance_from_sums(S, n, 0.2)) == pytest.approx(want, rel=1e-6)
+
+
+def test_the_8b_step_traces_with_13_mlp_layers():
+    """The step of the 8B preset, sites of layers 14-26 (39 sites, 2.29e9 elements), traced
+    to its output shapes: the whole loss, not only the faithfulness term."""
+    sites = ",".join(f"layers.{i}.mlp.{w}" for i in range(14, 27)
+                     for w in ("gate_proj", "up_proj", "down_proj"))
+    cfg = compose(["+experiment=llama8b_l18-26_chunkwise", f"layers.sites=[{sites}]",
+                   "loss.recon.chunkwise.sites_per_chunk=13", "data.batch_size=16",
+                   "optim.microbatches=1", "mesh=single", "data.source=synthetic"])
+    target, state = abstract_run(cfg, jax.random.PRNGKey(0))
+    batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len), jnp.int32)
+    new_state, metrics = jax.eval_shape(make_train_step(cfg), state, target, batch)
+    assert jax.tree.structure(new_state) == jax.tree.structure(state)
+    assert metrics["loss/faithfulness"].shape == ()
