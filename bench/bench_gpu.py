@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from peak import matmul_peak
+
 GiB = 2 ** 30
 QUIET = ["logging.wandb=false", "logging.progress=false", "logging.plots=false",
          "logging.ckpt_every=100000"]
@@ -50,23 +52,6 @@ JOBS: dict[str, tuple[list[str], str, str]] = {
         "bfloat16", ("Llama-3.1-8B shapes, 20 layers, layer 18 MLP (3 sites, C = 16384), "
                      "batch 32 x 512 in 4 microbatches, random weights")),
 }
-
-
-def matmul_peak_tflops(dtype: str, n: int = 8192, repeats: int = 10) -> float:
-    """The best of `repeats` n^3 products through XLA on this GPU, in TFLOP/s."""
-    script = (
-        "import time, jax, jax.numpy as jnp\n"
-        f"n, dt = {n}, jnp.{dtype}\n"
-        "a = jax.random.normal(jax.random.PRNGKey(0), (n, n), dt)\n"
-        "f = jax.jit(lambda a: a @ a); f(a).block_until_ready()\n"
-        "best = 1e9\n"
-        f"for _ in range({repeats}):\n"
-        "    t = time.perf_counter(); f(a).block_until_ready()\n"
-        "    best = min(best, time.perf_counter() - t)\n"
-        "print(2 * n ** 3 / best / 1e12)\n")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         check=True).stdout
-    return float(out.strip().splitlines()[-1])
 
 
 def pdecomp_cmd() -> list[str]:
@@ -115,7 +100,7 @@ def main() -> None:
     p.add_argument("--json", help="write the figures here too")
     p.add_argument("overrides", nargs="*", help="more overrides for every job")
     args = p.parse_args()
-    peaks = {dt: matmul_peak_tflops(dt) for dt in ("bfloat16", "float32")}
+    peaks = {dt: matmul_peak(8192, dt, repeats=10) / 1e12 for dt in ("bfloat16", "float32")}
     print(f"matmul peak (8192^3 through XLA, default precision): "
           f"bfloat16 {peaks['bfloat16']:.0f} TFLOP/s, float32 {peaks['float32']:.0f} TFLOP/s")
     mem_vars = {k: v for k, v in os.environ.items() if k.startswith(("XLA_", "TF_GPU"))}

@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from peak import matmul_peak
 from rich.console import Console
 from rich.table import Table
 
@@ -35,23 +36,6 @@ CI_FNS = {"mlp": "[16]", "shared_mlp": "[550]", "vector_mlp": "[8]"}
 JOB = ["loss.pgd.coeff=0", "optim.faith_warmup_steps=0", "loss.eval_pgd.n_steps=0",
        "data.eval_batches=1", "logging.wandb=false", "logging.progress=false",
        "logging.plots=false", "logging.ckpt_every=100000"]
-
-
-def matmul_peak_gflops(n: int = 4096, repeats: int = 5) -> float:
-    """The best of `repeats` float32 n x n matmuls through XLA on this CPU, in GFLOP/s."""
-    script = (
-        "import time, jax, jax.numpy as jnp\n"
-        f"n = {n}\n"
-        "a = jax.random.normal(jax.random.PRNGKey(0), (n, n))\n"
-        "f = jax.jit(lambda a: a @ a); f(a).block_until_ready()\n"
-        "best = 1e9\n"
-        f"for _ in range({repeats}):\n"
-        "    t = time.perf_counter(); f(a).block_until_ready()\n"
-        "    best = min(best, time.perf_counter() - t)\n"
-        "print(2 * n ** 3 / best / 1e9)\n")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         check=True).stdout
-    return float(out.strip().splitlines()[-1])
 
 
 def run_job(ci_fn: str, steps: int, model: str | None, data: str | None) -> dict:
@@ -86,7 +70,7 @@ def main() -> None:
     p.add_argument("--ci-fn", action="append", choices=list(CI_FNS))
     args = p.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    peak = matmul_peak_gflops()
+    peak = matmul_peak(4096) / 1e9  # float32 GFLOP/s
     table = Table(title=f"LM step on {os.cpu_count()} cores, float32 matmul peak "
                         f"{peak:.0f} GFLOP/s (4096^3 through XLA)")
     for col in ("CI fn", "s/step", "tokens/s", "peak RSS GB", "gate peak GiB",
