@@ -30,6 +30,7 @@ import numpy as np
 from jaxtyping import Array
 
 from pdecomp import metrics, plots, targets
+from pdecomp.ci import ci_lower
 from pdecomp.commands import Parser, progress_bar
 from pdecomp.config import EVAL_SEED_OFFSET, EXIT_BAD_CONFIG, site_names_of
 from pdecomp.kinds import kind_of
@@ -87,16 +88,21 @@ def weight_norms(run: Run) -> dict[str, np.ndarray]:
 
 def _batch_reduce(threshold: float, top_k: int) -> Callable:
     """Per site and batch: CI sum, count above threshold and max per component, and (top_k
-    > 0) each component's top_k CIs with their flat position and the CI along their row."""
+    > 0) each component's top_k CIs with their flat position and the CI along their row.
+    The top positions are ranked by the CI's logit before the clamp: where a component's
+    CI saturates at 1 on many positions, the logit still tells them apart."""
 
     @jax.jit  # target, components and CI function as arguments, not program constants
     def reduce(target, components, ci_fn, x: Array) -> dict[str, tuple[Array, ...]]:
         out = {}
-        for s, v in metrics.causal_importances(target, components, ci_fn, x).items():
+        for s, logit in metrics.ci_logits(target, components, ci_fn, x).items():
+            v = ci_lower(logit)
             flat = v.reshape(-1, v.shape[-1])  # [positions, C]
             stats = (flat.sum(0), (flat > threshold).sum(0), flat.max(0))
             if top_k:
-                val, idx = jax.lax.top_k(flat.T, min(top_k, flat.shape[0]))  # [C, k]
+                k = min(top_k, flat.shape[0])
+                _, idx = jax.lax.top_k(logit.reshape(flat.shape).T, k)  # [C, k]
+                val = jnp.take_along_axis(flat.T, idx, axis=1)  # their CIs, in that order
                 by_comp = jnp.moveaxis(v, -1, 0)  # [C, rows, T]
                 along = jax.vmap(lambda m, r: m[r])(by_comp, idx // v.shape[1])  # [C, k, T]
                 stats = (*stats, val, idx, along)

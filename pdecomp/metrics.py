@@ -21,11 +21,15 @@ from pdecomp.train import Adversary, ascend
 
 def causal_importances(target, components: Components, ci_fn, x: Array) -> dict[str, Array]:
     """ci_lower per site for inputs x (the masks' CI)."""
+    return {s: ci_lower(v) for s, v in ci_logits(target, components, ci_fn, x).items()}
+
+
+def ci_logits(target, components: Components, ci_fn, x: Array) -> dict[str, Array]:
+    """The CI function's logits per site for inputs x, before the clamp to [0, 1]."""
     record: dict[str, Array] = {}
     prefix, suffix = target.split(tuple(components.sites), jnp.float32)
     suffix(prefix(x), recording_linear(record, components.sites))
-    logits = ci_fn({s: record[s] for s in components.sites}, components)
-    return {s: ci_lower(v) for s, v in logits.items()}
+    return ci_fn({s: record[s] for s in components.sites}, components)
 
 
 MASK_KINDS = ("ci", "unmasked", "stochastic", "random", "rounded", "zero")

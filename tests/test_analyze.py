@@ -232,3 +232,17 @@ def test_the_plots_are_logged_to_the_runs_wandb(tms_report: Path, lm_report: Pat
     assert logged == {p.stem for p in (tms_report / "analysis").glob("*.png")} >= {
         "mean_ci", "frequency_norm", "feature_ci"}
     assert not (lm_report / "wandb").exists()
+
+
+def test_top_contexts_rank_saturated_ci_by_its_logit(monkeypatch) -> None:
+    """A component whose CI is 1 at several positions: the top positions are those of its
+    largest logits, not the first positions met."""
+    logits = jnp.array([[[1.5], [3.0], [0.5], [2.0], [-1.0]]])  # [rows 1, T 5, C 1]
+    monkeypatch.setattr(metrics, "ci_logits", lambda *a: {"s": logits})
+    reduce = analyze._batch_reduce(0.1, 2)
+    total, active, vmax, val, idx, along = reduce(None, None, None, None)["s"]
+    assert float(total[0]) == 3.5
+    assert np.asarray(idx).tolist() == [[1, 3]]  # logits 3.0 and 2.0; clamped, all tie at 1
+    assert np.asarray(val).tolist() == [[1.0, 1.0]]
+    assert float(vmax[0]) == 1.0 and int(active[0]) == 4
+    np.testing.assert_allclose(np.asarray(along)[0, 0], [1.0, 1.0, 0.5, 1.0, 0.0])
