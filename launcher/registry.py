@@ -16,7 +16,14 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from pdecomp.config import ModelConfig, RunConfig, from_dict
+from pdecomp.config import (
+    ConfigError,
+    ModelConfig,
+    RunConfig,
+    expand_sites,
+    from_dict,
+    site_names_of,
+)
 from pdecomp.kinds import KINDS, kind_of
 
 
@@ -99,4 +106,10 @@ def to_run_config(cfg: DictConfig | dict[str, Any]) -> RunConfig:
     data = (OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
             if isinstance(cfg, DictConfig) else cfg)
     assert isinstance(data, dict)
-    return from_dict(RunConfig, {k: v for k, v in data.items() if k != "hydra"})
+    cfg = from_dict(RunConfig, {k: v for k, v in data.items() if k != "hydra"})
+    try:
+        known = site_names_of(cfg.model)
+    except ConfigError:  # a bad model: validation names it first, sites unexpanded
+        return cfg
+    return dataclasses.replace(cfg, layers=dataclasses.replace(
+        cfg.layers, sites=expand_sites(cfg.layers.sites, known)))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import math
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
@@ -393,6 +393,44 @@ def site_names_of(model: ModelConfig) -> tuple[str, ...]:
     from pdecomp.kinds import kind_of  # the kinds import this module
 
     return kind_of(model).site_names(model)
+
+
+def expand_sites(patterns: Sequence[str], known: Sequence[str]) -> tuple[str, ...]:
+    """`layers.sites` with patterns resolved against the target's sites (`known`, in their
+    fixed order). An entry that is a site stays itself; otherwise its dotted parts are
+    matched part by part against the start of each site: `A-B` any integer from A to B,
+    `*` any one part, anything else itself. `layers.0-31.mlp` is every MLP matrix of
+    layers 0-31, `layers.*.mlp.down_proj` every layer's down_proj, in the target's order."""
+    out: list[str] = []
+    for p in patterns:
+        if p in known:
+            out.append(p)
+            continue
+        parts = p.split(".")
+        for part in parts:
+            a, dash, b = part.partition("-")
+            if dash and not (a.isdigit() and b.isdigit() and int(a) <= int(b)):
+                raise ConfigError("layers.sites", p, f"'{part}': a range is A-B, integers "
+                                  "with A <= B (layers.0-31.mlp)")
+        matched = [s for s in known if _matches(parts, s.split("."))]
+        if not matched:
+            raise ConfigError("layers.sites", p, "names no site; a site or a pattern over "
+                              f"them (layers.0-31.mlp, layers.*.mlp.down_proj): "
+                              f"{', '.join(known[:6])}, ... ({len(known)} sites)")
+        out.extend(matched)
+    return tuple(out)
+
+
+def _matches(pattern: list[str], site: list[str]) -> bool:
+    if len(pattern) > len(site):
+        return False
+    for want, got in zip(pattern, site):
+        a, dash, b = want.partition("-")
+        if want == "*" or want == got:
+            continue
+        if not (dash and got.isdigit() and int(a) <= int(got) <= int(b)):
+            return False
+    return True
 
 
 def validate(cfg: RunConfig, n_devices: int | None = None) -> None:

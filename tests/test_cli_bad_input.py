@@ -25,6 +25,7 @@ CASES = [
     ("unknown-group-option", ["model=nope"], ("model", "nope")),
     ("site-not-in-model", ["layers.sites=[foo]"], "layers.sites"),
     ("no-sites", ["layers.sites=[]"], "layers.sites"),
+    ("site-range-backwards", ["layers.sites=[linear1-0]"], "layers.sites"),
     ("C-zero", ["layers.C=0"], "layers.C"),
     ("C-per-site-unknown-site", ["layers.C_per_site={foo:3}"], "layers.C_per_site"),
     ("negative-lr", ["optim.components.lr=-1"], "optim.components.lr"),

@@ -120,3 +120,29 @@ def test_every_option_of_every_group_composes_and_every_preset_validates():
                 raise AssertionError(f"{group}={option} fits no preset: {errors}")
             composed.append(f"{group}={option}")
     assert len(composed) >= 30, composed
+
+
+def test_site_patterns_expand_in_the_targets_order():
+    """`layers.sites` patterns: a range A-B and `*` per dotted part, a prefix stands for the
+    sites under it, each in the target's fixed order; no match or a backwards range is a
+    ConfigError naming the entry."""
+    from launcher.api import compose
+    from pdecomp.config import expand_sites
+
+    known = tuple(f"layers.{i}.{p}.{w}" for i in range(4) for p, ws in
+                  (("self_attn", ("q_proj", "o_proj")), ("mlp", ("gate_proj", "down_proj")))
+                  for w in ws)
+    assert expand_sites(["layers.1-2.mlp"], known) == (
+        "layers.1.mlp.gate_proj", "layers.1.mlp.down_proj",
+        "layers.2.mlp.gate_proj", "layers.2.mlp.down_proj")
+    assert expand_sites(["layers.*.mlp.down_proj", "layers.0.self_attn.q_proj"], known) == (
+        *(f"layers.{i}.mlp.down_proj" for i in range(4)), "layers.0.self_attn.q_proj")
+    assert expand_sites(["layers.3"], known) == known[-4:]
+    for bad in ("layers.2-1.mlp", "layers.4.mlp", "layers.1-x.mlp", "mlp"):
+        with pytest.raises(ConfigError, match="layers.sites"):
+            expand_sites([bad], known)
+    # The 8B's 96 MLP matrices without typing them; the config records the sites themselves.
+    cfg = compose(["+experiment=llama8b_l18-26_chunkwise", "layers.sites=[layers.0-31.mlp]",
+                   "loss.recon.chunkwise.sites_per_chunk=32", "data.source=synthetic"])
+    assert len(cfg.layers.sites) == 96 and cfg.layers.sites[:2] == (
+        "layers.0.mlp.gate_proj", "layers.0.mlp.up_proj")
