@@ -209,8 +209,9 @@ class Llama(eqx.Module):
             out |= {f"layers.{i}.mlp.{n}": self.mlp[n][i] for n in MLP}
         return out
 
-    def layer(self, i: int | slice) -> dict[str, Any]:
-        """Layer `i`'s weights (a slice: stacked, for a scan), its biases and its window."""
+    def layer(self, i: int | slice | Array) -> dict[str, Any]:
+        """Layer `i`'s weights (a slice: stacked, for a scan; a traced index: read from the
+        stack in place), its biases and its window."""
         w = {"attn_norm": self.attn_norm[i], "mlp_norm": self.mlp_norm[i],
              **{n: self.attn[n][i] for n in ATTN}, **{n: self.mlp[n][i] for n in MLP},
              "bias": {n: b[i] for n, b in self.attn_bias.items()}}
@@ -282,11 +283,17 @@ class Llama(eqx.Module):
             while j < stop and j not in hooked:
                 j += 1
 
-            def body(carry, w):
-                return self.block(carry, w, rope, lambda _, x, W: frozen_linear("", x, W)), None
+            def body(carry, k):
+                return self.block(carry, self.layer(k), rope,
+                                  lambda _, x, W: frozen_linear("", x, W)), None
 
+            # Over the layers' indices, each layer's weights read in place: scanned over
+            # `self.layer(slice(i, j))`, XLA copied the run's weights out of the stack first
+            # (SmolLM2's 28 leading layers: three 94.5 MiB temporaries; on an H100 the step
+            # went from 7.1 to 6.2 ms). The hooked runs below keep the slice: indexed there,
+            # the 8B preset's peak grew 1.7 GiB.
             h, _ = jax.lax.scan(jax.checkpoint(body) if remat else body, h,
-                                self.layer(slice(i, j)))
+                                jnp.arange(i, j))
             i = j
         return h
 
