@@ -20,18 +20,19 @@ def test_llama_tiny_chunkwise_pgd_kl_and_l0_fall(tmp_path: Path, env: dict[str, 
     run_dir = tmp_path / "run"
     # Half the preset's target training (CE 0.67 instead of 0.53) saves 20 s of the test.
     # Two simulated CPU devices: the CLI journey with the batch split on the data axis.
-    proc = ok(pdecomp(["+experiment=llama_tiny_chunkwise", "optim.steps=200",
+    proc = ok(pdecomp(["+experiment=llama_tiny_chunkwise", "optim.steps=100",
                        "model.train_steps=200", *QUIET, f"hydra.run.dir={run_dir}"],
                       tmp_path, dict(env, PDECOMP_CPU_DEVICES="2"), timeout=900))
     assert "training target llama_tiny" in proc.stderr
     history = load_json(run_dir / "history.json")
     first, last = history[0], history[-1]
-    assert first["step"] == 1 and last["step"] == 200
+    assert first["step"] == 1 and last["step"] == 100
 
     def l0(h):
         return sum(v for k, v in h.items() if k.startswith("train/l0/"))
 
-    # Measured: L0 576 -> 286 and recon KL 0.033 -> 0.006 over these 200 steps.
+    # Measured: L0 576 -> 370 and recon KL 0.031 -> 0.005 over these 100 steps (the whole
+    # schedule, p's anneal included; 200 steps took 40 s more for L0 292).
     assert l0(last) < 0.75 * l0(first), (l0(first), l0(last))
     assert last["loss/recon_chunkwise"] < 0.5 * first["loss/recon_chunkwise"], (first, last)
     assert last["loss/faithfulness"] < 1e-5
@@ -46,7 +47,7 @@ def test_llama_tiny_chunkwise_pgd_kl_and_l0_fall(tmp_path: Path, env: dict[str, 
     assert s["kl/unmasked"] < s["kl/zero"]  # the components alone beat ablating the sites
     assert s["kl/ci"] < 0.1 * s["kl/zero"] and s["kl/stochastic"] < 0.1 * s["kl/zero"]
     assert s["kl/pgd"] > s["kl/stochastic"]  # the adversary finds worse masks than chance
-    assert s["steps"] == 200 and (run_dir / "mean_ci.png").exists()
+    assert s["steps"] == 100 and (run_dir / "mean_ci.png").exists()
     assert "CE unrecovered" in proc.stderr
     gate = load_json(run_dir / "gate.json")
     assert gate["argument_parts_bytes"]["adversary"] > 0 and gate["mesh"] == {"data": 2, "model": 1}
