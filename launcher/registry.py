@@ -111,5 +111,5 @@ def to_run_config(cfg: DictConfig | dict[str, Any]) -> RunConfig:
         known = site_names_of(cfg.model)
     except ConfigError:  # a bad model: validation names it first, sites unexpanded
         return cfg
-    return dataclasses.replace(cfg, layers=dataclasses.replace(
-        cfg.layers, sites=expand_sites(cfg.layers.sites, known)))
+    sites = type(cfg.layers.sites)(expand_sites(cfg.layers.sites, known))  # as from_dict has it
+    return dataclasses.replace(cfg, layers=dataclasses.replace(cfg.layers, sites=sites))

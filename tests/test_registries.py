@@ -144,5 +144,5 @@ def test_site_patterns_expand_in_the_targets_order():
     # The 8B's 96 MLP matrices without typing them; the config records the sites themselves.
     cfg = compose(["+experiment=llama8b_l18-26_chunkwise", "layers.sites=[layers.0-31.mlp]",
                    "loss.recon.chunkwise.sites_per_chunk=32", "data.source=synthetic"])
-    assert len(cfg.layers.sites) == 96 and cfg.layers.sites[:2] == (
+    assert len(cfg.layers.sites) == 96 and tuple(cfg.layers.sites[:2]) == (
         "layers.0.mlp.gate_proj", "layers.0.mlp.up_proj")
