@@ -27,8 +27,24 @@ from pdecomp.config import (
     RunConfig,
     check_positive,
     rope_problem,
+    site_C,
 )
 from pdecomp.kinds import Kind
+
+
+def covered(cfg: RunConfig) -> str:
+    """Which of the model's layers the sites are in, and C: a preset made for another
+    model (llama_tiny's layers 1-3 at C = 64 on a 30-layer model) says so at the start."""
+    layers = sorted({int(s.split(".")[1]) for s in cfg.layers.sites})
+    Cs = sorted(set(site_C(cfg).values()))
+    runs, start = [], layers[0]
+    for a, b in zip(layers, [*layers[1:], None]):
+        if b != a + 1:
+            runs.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    which = f"layer{'s' * (len(layers) > 1)} {', '.join(runs)}"
+    return (f"decomposing {len(cfg.layers.sites)} sites in {which} of its "
+            f"{n_layers(cfg.model)}, C = {'/'.join(map(str, Cs))} per site")
 
 
 def n_layers(model: ModelConfig) -> int:
@@ -142,7 +158,7 @@ class LlamaKind(Kind):
         language and cached like a toy, or (no training steps) random weights made in place."""
         m, dtype = cfg.model, jnp.dtype(cfg.memory.target_dtype)
         if m.path:
-            log(f"loading {m.path} ({cfg.memory.target_dtype})")
+            log(f"loading {m.path} ({cfg.memory.target_dtype}); {covered(cfg)}")
             return llama.load_hf(m.path, dtype, shardings), {"path": m.path}
         if m.train_steps:
             target, meta = targets.load_shared_target(m, log)

@@ -246,3 +246,17 @@ def test_top_contexts_rank_saturated_ci_by_its_logit(monkeypatch) -> None:
     assert np.asarray(val).tolist() == [[1.0, 1.0]]
     assert float(vmax[0]) == 1.0 and int(active[0]) == 4
     np.testing.assert_allclose(np.asarray(along)[0, 0], [1.0, 1.0, 0.5, 1.0, 0.0])
+
+
+def test_component_and_feature_axes_tick_at_integers(monkeypatch, tmp_path: Path) -> None:
+    """The axes that count components or features tick at whole numbers (no component
+    2.5)."""
+    from pdecomp import plots
+
+    figs = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path, **kw: figs.append(fig))
+    ci = {"s": {"mean_ci": np.linspace(0.1, 0.9, 20), "max_ci": np.ones(20), "live": 20}}
+    plots.plot_mean_ci(ci, tmp_path / "m.png", 0.1)  # C = 20: ticks at 2.5, 7.5, ... before
+    plots.plot_feature_ci({"s": np.eye(9, 20)}, tmp_path / "f.png", 0.1, 0.75)
+    ticks = [*figs[0].axes[0].get_xticks(), *figs[1].axes[0].get_yticks()]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks

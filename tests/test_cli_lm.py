@@ -58,11 +58,14 @@ def test_run_from_a_hugging_face_directory(tmp_path: Path, env: dict[str, str]) 
     """model.path: the architecture comes from config.json, the weights from safetensors."""
     run_dir = tmp_path / "run"
     sites = "[layers.1.mlp.gate_proj,layers.1.mlp.up_proj,layers.1.mlp.down_proj]"
-    ok(pdecomp(["+experiment=llama_tiny_chunkwise", f"model.path={FIXTURES / 'gqa_llama3'}",
-             f"layers.sites={sites}", "optim.steps=20", "optim.faith_warmup_steps=10",
-             "data.seq_len=16", "logging.log_every=10", "memory.remat=full",
-             "loss.eval_pgd.n_steps=0", *QUIET,
-             f"hydra.run.dir={run_dir}"], tmp_path, env, timeout=900))
+    model = f"model.path={FIXTURES / 'gqa_llama3'}"
+    proc = ok(pdecomp(["+experiment=llama_tiny_chunkwise", model, f"layers.sites={sites}",
+                       "optim.steps=20", "optim.faith_warmup_steps=10", "data.seq_len=16",
+                       "logging.log_every=10", "memory.remat=full", "loss.eval_pgd.n_steps=0",
+                       *QUIET, f"hydra.run.dir={run_dir}"], tmp_path, env, timeout=900))
+    # The preset was made for another model: the console says which layers of this one.
+    layers = load_json(FIXTURES / "gqa_llama3" / "config.json")["num_hidden_layers"]
+    assert f"decomposing 3 sites in layer 1 of its {layers}, C = 64 per site" in proc.stderr
     s = load_json(run_dir / "summary.json")
     assert s["target/seed"] is None and s["steps"] == 20
     assert {k for k in s if k.startswith("live/")} == {f"live/layers.1.mlp.{w}" for w in
