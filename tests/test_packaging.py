@@ -1,5 +1,6 @@
 """The built wheel, installed into a fresh virtualenv, works outside the source tree: the
-configs come with it (package data), and Hydra finds the SLURM launcher plugin."""
+configs come with it (package data), its requirements hold (`pip check`), and Hydra finds
+the SLURM launcher plugin."""
 
 from __future__ import annotations
 
@@ -60,9 +61,16 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     ok(run([sys.executable, "-m", "venv", str(venv)], tmp_path, env))
     python, pdecomp = str(venv / "bin" / "python"), str(venv / "bin" / "pdecomp")
-    # The repository's pins; pip's cache makes a second install quick.
-    ok(run([python, "-m", "pip", "install", "-q", "-c", str(ROOT / "constraints.txt"),
-            str(wheel)], tmp_path, env, timeout=600))
+    # The dependencies are this environment's, the pinned ones (`make install`), seen through
+    # a path entry after the new venv's own packages: reinstalling them from pip's cache was
+    # a minute of the suite. What is installed is the wheel alone, and `pip check` then
+    # holds its requirements against what the venv sees.
+    (own,) = (p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()
+              and Path(p).is_relative_to(Path(sys.prefix)))
+    (site,) = venv.glob("lib/python*/site-packages")
+    (site / "pdecomp_test_deps.pth").write_text(own + "\n")
+    ok(run([python, "-m", "pip", "install", "-q", "--no-deps", str(wheel)], tmp_path, env))
+    ok(run([python, "-m", "pip", "check"], tmp_path, env))
     work = tmp_path / "elsewhere"
     work.mkdir()
 
