@@ -7,15 +7,26 @@ from __future__ import annotations
 from itertools import pairwise
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import numpy as np
-from matplotlib.ticker import MaxNLocator
 
 from pdecomp.storage import atomic_write
 from pdecomp.units import GiB, MiB, fmt_bytes
+
+
+class _Pyplot:
+    """matplotlib.pyplot (Agg) on first use: importing it is 0.25 s of every process that
+    imports this module, most of which draw nothing (a gate, `--help`, a SLURM rank)."""
+
+    def __getattr__(self, name: str):
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot
+
+        return getattr(matplotlib.pyplot, name)
+
+
+plt = _Pyplot()
 
 
 def plot_mean_ci(ci: dict[str, dict], path: Path, threshold: float) -> Path:
@@ -30,7 +41,7 @@ def plot_mean_ci(ci: dict[str, dict], path: Path, threshold: float) -> Path:
         ax.set_title(f"{s}: {ci[s]['live']} live of {len(mean)} (max CI > {threshold})",
                      fontsize=9)
         ax.set_ylabel("mean CI")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # ranks: no tick at 2.5
+        ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))  # ranks: no tick at 2.5
     axes[-1, 0].set_xlabel("component (sorted by mean CI)")
     fig.tight_layout()
     _save(fig, path, dpi=120)
@@ -205,7 +216,7 @@ def plot_feature_ci(ci: dict[str, np.ndarray], path: Path, threshold: float, val
         ax.set_title(f"{s}: CI with feature f alone at {value} ({int(fires.sum())} of "
                      f"{m.shape[1]} components fire)", fontsize=9)
         ax.set_ylabel("feature")
-        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(plt.MaxNLocator(integer=True))
         ax.set_xticks(range(m.shape[1]), [str(c) for c in order],
                       fontsize=max(3, min(7, 400 // m.shape[1])), rotation=90)
         fig.colorbar(im, ax=ax, fraction=0.03)
