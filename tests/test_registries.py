@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses as dc
+import re
 from pathlib import Path
 
 import pytest
@@ -93,11 +94,12 @@ def test_every_option_of_every_group_composes_and_every_preset_validates():
     """An experiment is a whole run and validates as it is; any other option composes and
     validates over the defaults or over one of the experiments (an option for a Llama or a
     residual MLP over theirs; the 8B model's groups over the 8B preset's gate, or over its
-    model with the Llama groups). A preset of a real model reads the user's token file:
+    model with the Llama groups; the 70B preset likewise). A preset of a real model reads the user's token file:
     without one it validates as a gate-only run (its shapes need no data)."""
     gpu_gate = ["gate.only=true", "gate.target=b200"]
     real_model = {"smollm2_l28": ["gate.only=true"]}
-    experiments = [[f"+experiment={o}", *(gpu_gate if "8b" in o else real_model.get(o, []))]
+    experiments = [[f"+experiment={o}", *(gpu_gate if re.search(r"\d+b_", o)
+                                          else real_model.get(o, []))]
                    for g, o in _options() if g == "experiment"]
     bases = [[], *experiments,
              ["model=llama3_8b", "loss=llama", "optim=llama", "data=tokens", *gpu_gate]]
