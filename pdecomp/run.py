@@ -533,7 +533,7 @@ def checkpoint(ckpt: Checkpointer, run_dir: Path, step: int, state: TrainState,
 
 
 class Learned(NamedTuple):
-    """What a decomposition learned: all that evaluation and analysis read of a state."""
+    """What a decomposition learned: all that evaluation reads of a training state."""
 
     components: Any
     ci_fn: Any
