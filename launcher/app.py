@@ -31,7 +31,8 @@ from omegaconf import DictConfig, open_dict
 from launcher import callbacks, cluster
 from launcher.registry import register, to_run_config
 from pdecomp import hardware
-from pdecomp.config import EXIT_BAD_CONFIG, ConfigError, RunConfig, validate
+from pdecomp.config import EXIT_BAD_CONFIG, ConfigError, RunConfig
+from pdecomp.validation import validate
 
 # Inside the package, so an installed wheel carries the configs (package data).
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")

@@ -260,7 +260,7 @@ FINDINGS_COLUMNS = (("1-hot live", "live_one_hot", "d"), ("MMCS", "mmcs", ".3f")
 
 def print_findings(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> None:
     """What the decomposition found, in a form a person reads at a glance."""
-    from pdecomp.config import site_C
+    from pdecomp.kinds import site_C
     from pdecomp.metrics import EVAL_KINDS
 
     table = Table(title=f"{cfg.name}: what SPD found")

@@ -21,10 +21,8 @@ from pdecomp.config import (
     ModelConfig,
     RunConfig,
     expand_sites,
-    from_dict,
-    site_names_of,
 )
-from pdecomp.kinds import KINDS, kind_of
+from pdecomp.kinds import KINDS, kind_of, run_config, site_names_of
 
 
 @cache
@@ -106,7 +104,7 @@ def to_run_config(cfg: DictConfig | dict[str, Any]) -> RunConfig:
     data = (OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
             if isinstance(cfg, DictConfig) else cfg)
     assert isinstance(data, dict)
-    cfg = from_dict(RunConfig, {k: v for k, v in data.items() if k != "hydra"})
+    cfg = run_config({k: v for k, v in data.items() if k != "hydra"})
     try:
         known = site_names_of(cfg.model)
     except ConfigError:  # a bad model: validation names it first, sites unexpanded

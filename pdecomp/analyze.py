@@ -32,8 +32,8 @@ from jaxtyping import Array
 from pdecomp import metrics, plots, targets
 from pdecomp.ci import ci_lower
 from pdecomp.commands import Parser, progress_bar
-from pdecomp.config import EVAL_SEED_OFFSET, EXIT_BAD_CONFIG, site_names_of
-from pdecomp.kinds import kind_of
+from pdecomp.config import EVAL_SEED_OFFSET, EXIT_BAD_CONFIG
+from pdecomp.kinds import kind_of, site_names_of
 from pdecomp.lm import token_stream
 from pdecomp.runs import Run, RunDirError, load_run
 

@@ -17,7 +17,14 @@ import jax
 from jax.sharding import NamedSharding
 from jaxtyping import Array
 
-from pdecomp.config import ConfigError, DataSource, ModelConfig, RunConfig, check_positive
+from pdecomp.config import (
+    ConfigError,
+    DataSource,
+    ModelConfig,
+    RunConfig,
+    check_positive,
+    from_dict,
+)
 
 # name -> "module:attribute" of its Kind instance
 KINDS: dict[str, str] = {
@@ -119,3 +126,25 @@ def kind_of(model: ModelConfig | str) -> Kind:
         module, attr = KINDS[name].split(":")
         _resolved[name] = getattr(importlib.import_module(module), attr)
     return _resolved[name]
+
+
+def run_config(data: dict[str, Any]) -> RunConfig:
+    """A RunConfig from plain nested dicts, its model read with its kind's schema."""
+    return from_dict(RunConfig, data, schema_of=lambda kind: kind_of(kind).schema)
+
+
+def site_names_of(model: ModelConfig) -> tuple[str, ...]:
+    """The target's sites in their fixed, documented order (its kind's `site_names`)."""
+    return kind_of(model).site_names(model)
+
+
+def tied_sites(cfg: RunConfig) -> dict[str, str]:
+    """follower -> leader for the decomposed sites whose weights the target ties."""
+    return kind_of(cfg.model).tied_sites(cfg)
+
+
+def site_C(cfg: RunConfig) -> dict[str, int]:
+    """Components per decomposed site, in the target's canonical site order."""
+    chosen = set(cfg.layers.sites)
+    return {s: cfg.layers.C_per_site.get(s, cfg.layers.C)
+            for s in site_names_of(cfg.model) if s in chosen}

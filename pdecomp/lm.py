@@ -27,9 +27,8 @@ from pdecomp.config import (
     RunConfig,
     check_positive,
     rope_problem,
-    site_C,
 )
-from pdecomp.kinds import Kind
+from pdecomp.kinds import Kind, site_C
 
 
 def covered(cfg: RunConfig) -> str:

@@ -28,10 +28,11 @@ from pdecomp import gate as gate_lib
 from pdecomp import hardware, hosts, metrics, plots, sharding, storage
 from pdecomp.checkpoint import Checkpointer, UnreadableCheckpoint
 from pdecomp.components import with_tied
-from pdecomp.config import EVAL_SEED_OFFSET, ConfigError, RunConfig, tied_sites, validate
-from pdecomp.kinds import kind_of
+from pdecomp.config import EVAL_SEED_OFFSET, ConfigError, RunConfig
+from pdecomp.kinds import kind_of, tied_sites
 from pdecomp.train import TrainState, faithfulness_warmup, init_state, make_train_step
 from pdecomp.units import GiB, fmt_bytes
+from pdecomp.validation import validate
 
 
 class Interrupted(RuntimeError):

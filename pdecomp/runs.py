@@ -22,8 +22,8 @@ from jax.sharding import Mesh
 from pdecomp import sharding
 from pdecomp.checkpoint import Checkpointer
 from pdecomp.components import Components, with_tied
-from pdecomp.config import RunConfig, from_dict, tied_sites
-from pdecomp.kinds import kind_of
+from pdecomp.config import RunConfig
+from pdecomp.kinds import kind_of, run_config, tied_sites
 from pdecomp.run import CONFIG_FILE, abstract_run, load_target
 from pdecomp.train import TrainState
 
@@ -52,7 +52,7 @@ def read_config(run_dir: Path) -> RunConfig:
     if not path.is_file():
         why = "does not exist" if not run_dir.is_dir() else f"has no {CONFIG_FILE}"
         raise RunDirError(f"{run_dir}: not a pdecomp run directory ({why})")
-    return from_dict(RunConfig, _model_of_its_kind(yaml.safe_load(path.read_text())))
+    return run_config(_model_of_its_kind(yaml.safe_load(path.read_text())))
 
 
 def _model_of_its_kind(data: Any) -> Any:

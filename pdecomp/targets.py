@@ -25,7 +25,8 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from pdecomp import data, hosts, llama, losses, threefry
 from pdecomp.components import LinearFn, frozen_linear
-from pdecomp.config import ModelConfig, site_names_of
+from pdecomp.config import ModelConfig
+from pdecomp.kinds import site_names_of
 
 CACHE_VERSION = "1"  # bump when target code changes what a cached target means
 

@@ -37,8 +37,8 @@ from pdecomp.components import (
     weight_deltas,
     with_tied,
 )
-from pdecomp.config import OptGroupConfig, PGDConfig, RunConfig, site_C, tied_sites
-from pdecomp.kinds import kind_of
+from pdecomp.config import OptGroupConfig, PGDConfig, RunConfig
+from pdecomp.kinds import kind_of, site_C, tied_sites
 from pdecomp.masks import (
     Plan,
     Positions,

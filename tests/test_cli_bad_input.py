@@ -199,7 +199,8 @@ def test_the_seed_rule_accepts_the_same_seeds_for_every_model_kind(seed: int) ->
 
     from test_lm import tiny_cfg
 
-    from pdecomp.config import ResidMLPConfig, RunConfig, validate
+    from pdecomp.config import ResidMLPConfig, RunConfig
+    from pdecomp.validation import validate
 
     resid = RunConfig(model=ResidMLPConfig(name="resid", n_features=10,
                                         d_hidden=10, d_embed=100),

@@ -18,9 +18,11 @@ from jaxtyping import Array
 from launcher import api
 from pdecomp import kinds, sharding
 from pdecomp.components import LinearFn, frozen_linear
-from pdecomp.config import ConfigError, ModelConfig, RunConfig, TMSConfig, site_C, validate
+from pdecomp.config import ConfigError, ModelConfig, RunConfig, TMSConfig
+from pdecomp.kinds import site_C
 from pdecomp.run import Hooks
 from pdecomp.toys import ToyKind
+from pdecomp.validation import validate
 
 ROOT = Path(__file__).resolve().parents[1]
 # The modules of the kinds themselves (and the registry); everything else is the core.

@@ -16,9 +16,10 @@ from test_lm import tiny_cfg, tokens
 
 from pdecomp import targets
 from pdecomp.components import frozen_linear
-from pdecomp.config import ConfigError, validate
+from pdecomp.config import ConfigError
 from pdecomp.llama import CheckpointError, load_config, load_hf
 from pdecomp.train import init_state, make_train_step
+from pdecomp.validation import validate
 
 VARIANTS = ["llama_bias", "qwen2_bias", "mistral_window", "qwen2_window"]
 

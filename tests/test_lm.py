@@ -29,11 +29,11 @@ from pdecomp.config import (
     PGDConfig,
     ReconTermConfig,
     RunConfig,
-    validate,
 )
 from pdecomp.masks import masks_from_sources, sample_forward_masks
 from pdecomp.metrics import fresh_pgd_masks, lm_mask_metrics
 from pdecomp.train import ascend, init_state, make_train_step, pgd_source_shape
+from pdecomp.validation import validate
 
 SITES = [f"layers.{i}.mlp.{w}" for i in (1, 2) for w in ("gate_proj", "up_proj", "down_proj")]
 

@@ -12,9 +12,10 @@ import pytest
 from test_lm import tiny_cfg, tokens
 
 from pdecomp import targets
-from pdecomp.config import ConfigError, OptGroupConfig, RunConfig, validate
+from pdecomp.config import ConfigError, OptGroupConfig, RunConfig
 from pdecomp.masks import Positions, sample_forward_masks
 from pdecomp.train import init_state, make_train_step
+from pdecomp.validation import validate
 
 # lr 1 and Adam's eps 1e-3: the first update is g / (|g| + 1e-3), smooth in the gradient, so the
 # updated state compares gradients. (With eps 1e-8 the first step is sign(g), where a

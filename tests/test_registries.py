@@ -13,11 +13,13 @@ import pytest
 
 from launcher import app
 from pdecomp import ci, hardware, losses, masks, train
-from pdecomp.config import ConfigError, RunConfig, validate
+from pdecomp.config import ConfigError, RunConfig
+from pdecomp.validation import validate
 
 pytestmark = pytest.mark.jax_versions  # every option composes and validates under each version
 
-CONFIG_PY = Path(__file__).resolve().parents[1] / "pdecomp" / "config.py"
+SCHEMA_AND_CHECKS = [Path(__file__).resolve().parents[1] / "pdecomp" / f"{m}.py"
+                     for m in ("config", "validation")]
 
 
 def _at(node, key: str, value):
@@ -75,14 +77,16 @@ def test_gate_targets_are_local_and_the_hardware_table():
         validate(dc.replace(RunConfig(), gate=dc.replace(RunConfig().gate, target="a100")))
 
 
-def test_config_py_spells_no_registered_name_in_a_tuple_of_choices():
-    """config.py declares no tuple of allowed names for a choice a registry holds (a default
-    value names one choice; a tuple of them would be the second declaration)."""
+def test_the_schema_and_its_checks_spell_no_registered_name_in_a_tuple_of_choices():
+    """config.py and validation.py declare no tuple of allowed names for a choice a registry
+    holds (a default value names one choice; a tuple of them would be the second
+    declaration)."""
     registries = [set(r) for r, _, _ in CHOICES] + [set(hardware.GPUS)]
-    for node in ast.walk(ast.parse(CONFIG_PY.read_text())):
-        if isinstance(node, ast.Tuple | ast.List | ast.Set):
-            names = {e.value for e in node.elts if isinstance(e, ast.Constant)}
-            assert all(len(names & r) < 2 for r in registries), ast.unparse(node)
+    for path in SCHEMA_AND_CHECKS:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Tuple | ast.List | ast.Set):
+                names = {e.value for e in node.elts if isinstance(e, ast.Constant)}
+                assert all(len(names & r) < 2 for r in registries), ast.unparse(node)
 
 
 def _options() -> list[tuple[str, str]]:
