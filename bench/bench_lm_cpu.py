@@ -4,8 +4,9 @@ all three sites with KL over the vocabulary, no PGD, no warm-up; one row per CI 
 
 Each row is a whole `pdecomp +experiment=smollm2_l28` run in its own process: the step's
 time (the last logging interval, compile excluded), tokens/s, the process's peak resident
-memory, the gate's predicted peak and matmul FLOPs per step, and that rate against this
-CPU's float32 matmul peak measured in the same run (a 4096^3 matmul through XLA).
+memory, the gate's predicted peak and matmul FLOPs per step (beside the analytic count of
+`lm_flops.py`), and that rate against this CPU's float32 matmul peak measured in the same
+run (a 4096^3 matmul through XLA).
 
 Baseline: the public PyTorch SPD on the same job and the same kind of 2-core machine
 (issue #32: s/step and peak RSS per CI function, quoted below).
@@ -26,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from lm_flops import count, job_of
 from peak import matmul_peak
 from rich.console import Console
 from rich.table import Table
@@ -38,15 +40,26 @@ JOB = ["loss.pgd.coeff=0", "optim.faith_warmup_steps=0", "loss.eval_pgd.n_steps=
        "logging.plots=false", "logging.ckpt_every=100000"]
 
 
+def job_args(ci_fn: str, model: str | None, data: str | None) -> list[str]:
+    return [f"layers.ci_fn={ci_fn}", f"layers.ci_hidden={CI_FNS[ci_fn]}", *JOB,
+            *([f"model.path={model}"] if model else []),
+            *([f"data.path={data}"] if data else ["data.source=synthetic"])]
+
+
+def analytic_flops(ci_fn: str, model: str | None, data: str | None) -> int:
+    from launcher import api
+
+    return sum(count(job_of(api.compose(job_args(ci_fn, model, data),
+                                        preset="smollm2_l28"))).values())
+
+
 def run_job(ci_fn: str, steps: int, model: str | None, data: str | None) -> dict:
     pdecomp = str(Path(sys.executable).parent / "pdecomp")
     with tempfile.TemporaryDirectory() as d:
         run_dir = Path(d) / "run"
-        args = ["+experiment=smollm2_l28", f"layers.ci_fn={ci_fn}",
-                f"layers.ci_hidden={CI_FNS[ci_fn]}", f"optim.steps={steps}",
-                f"logging.log_every={max(steps // 2, 1)}", *JOB, f"hydra.run.dir={run_dir}"]
-        args += [f"model.path={model}"] if model else []
-        args += [f"data.path={data}"] if data else ["data.source=synthetic"]
+        args = ["+experiment=smollm2_l28", f"optim.steps={steps}",
+                f"logging.log_every={max(steps // 2, 1)}", *job_args(ci_fn, model, data),
+                f"hydra.run.dir={run_dir}"]
         t0 = time.perf_counter()
         proc = subprocess.run(["/usr/bin/time", "-f", "maxrss_kb=%M", pdecomp, *args],
                               capture_output=True, text=True, check=False)
@@ -59,7 +72,8 @@ def run_job(ci_fn: str, steps: int, model: str | None, data: str | None) -> dict
     step_s = history[-1]["perf/step_s"]
     return {"step_s": step_s, "tokens_per_s": history[-1].get("perf/tokens_per_s"),
             "rss_gb": rss_kb * 1024 / 1e9, "gate_peak_gib": gate["peak_bytes"] / 2 ** 30,
-            "matmul_flops": gate["matmul_flops"], "wall_s": wall}
+            "matmul_flops": gate["matmul_flops"],
+            "analytic_flops": analytic_flops(ci_fn, model, data), "wall_s": wall}
 
 
 def main() -> None:
@@ -74,7 +88,7 @@ def main() -> None:
     table = Table(title=f"LM step on {os.cpu_count()} cores, float32 matmul peak "
                         f"{peak:.0f} GFLOP/s (4096^3 through XLA)")
     for col in ("CI fn", "s/step", "tokens/s", "peak RSS GB", "gate peak GiB",
-                "matmul GFLOP/step", "GFLOP/s", "of peak", "ref s/step", "speed-up",
+                "matmul GFLOP/step", "analytic / gate", "GFLOP/s", "of peak", "ref s/step", "speed-up",
                 "ref RSS GB", "RSS ratio"):
         table.add_column(col, justify="right")
     rows = {}
@@ -84,7 +98,8 @@ def main() -> None:
         ref_s, ref_rss = REFERENCE[ci_fn]
         table.add_row(ci_fn, f"{r['step_s']:.2f}", f"{r['tokens_per_s']:.0f}",
                       f"{r['rss_gb']:.2f}", f"{r['gate_peak_gib']:.2f}",
-                      f"{r['matmul_flops'] / 1e9:.0f}", f"{rate:.0f}", f"{rate / peak:.0%}",
+                      f"{r['matmul_flops'] / 1e9:.0f}",
+                      f"{r['analytic_flops'] / r['matmul_flops']:.4f}", f"{rate:.0f}", f"{rate / peak:.0%}",
                       f"{ref_s:.2f}", f"{ref_s / r['step_s']:.2f}x", f"{ref_rss:.2f}",
                       f"{r['rss_gb'] / ref_rss:.2f}x")
     Console().print(table)
