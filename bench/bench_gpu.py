@@ -46,7 +46,7 @@ JOBS: dict[str, tuple[list[str], str, str]] = {
         ["+experiment=llama8b_l18-26_chunkwise", "layers=l18",
          "loss.recon.chunkwise.sites_per_chunk=3", "layers.C=16384", "model.n_layers=20",
          "data.source=synthetic", "data.batch_size=32", "data.seq_len=512",
-         "optim.microbatches=4", "mesh=single", "optim.faith_warmup_steps=0",
+         "optim.microbatches=4", "optim.microbatch_size=0", "mesh=single", "optim.faith_warmup_steps=0",
          "optim.steps=20", "logging.log_every=10", "loss.eval_pgd.n_steps=0",
          "data.eval_batches=1"],
         "bfloat16", ("Llama-3.1-8B shapes, 20 layers, layer 18 MLP (3 sites, C = 16384), "

@@ -32,12 +32,14 @@ SHAPES = [(seq, batch, 8 if batch == 64 else 16) for seq in (512, 2048)
           for batch in (64, 128, 256, 512)] + [(2048, 512, 32)]
 KNOB_AT = ["data.seq_len=2048", "data.batch_size=256"]
 KNOBS: list[tuple[str, list[str]]] = [
-    ("preset (fsdp8x8, 16 microbatches, stream_ci, remat_layers, remat full)", []),
+    (("preset (fsdp8x8, 16 microbatches of 2 per data-axis device, stream_ci, "
+     "remat_layers, remat full)"), []),
     ("memory.stream_ci=false", ["memory.stream_ci=false"]),
     ("memory.remat_layers=false", ["memory.remat_layers=false"]),
-    ("optim.microbatches=8", ["optim.microbatches=8"]),
+    ("optim.microbatches=8", ["optim.microbatches=8", "optim.microbatch_size=0"]),
     ("mesh=fsdp64 (no model axis), optim.microbatches=4", ["mesh=fsdp64",
-                                                           "optim.microbatches=4"]),
+                                                           "optim.microbatches=4",
+                                                           "optim.microbatch_size=0"]),
     ("memory.offload_opt_state=true (deviceless: upper bound)",
      ["memory.offload_opt_state=true"]),
 ]
@@ -72,7 +74,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         for seq, batch, micro in [] if knobs_only else SHAPES:
             wall, rep = gate_only([*BASE, f"data.seq_len={seq}", f"data.batch_size={batch}",
-                                   f"optim.microbatches={micro}"], f"{d}/{seq}-{batch}-{micro}")
+                                   f"optim.microbatches={micro}", "optim.microbatch_size=0"],
+                               f"{d}/{seq}-{batch}-{micro}")
             rows.append({"seq": seq, "batch": batch, "microbatches": micro, "wall_s": wall,
                          **rep})
             shapes.add_row(str(seq), str(batch), str(micro), gib(rep, "peak_bytes"),

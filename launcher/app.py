@@ -30,7 +30,7 @@ from omegaconf import DictConfig, open_dict
 
 from launcher import callbacks, cluster
 from launcher.registry import register, to_run_config
-from pdecomp import hardware
+from pdecomp import hardware, sharding
 from pdecomp.config import EXIT_BAD_CONFIG, ConfigError, RunConfig
 from pdecomp.validation import validate
 
@@ -136,7 +136,8 @@ def compose_run(overrides: list[str]) -> Composed:
     dirs = Path(str(hc.run.dir)), Path(str(hc.sweep.dir))
     with open_dict(composed):  # Hydra's node holds job-time interpolations
         del composed["hydra"]
-    cfg = to_run_config(composed)
+    # a planned mesh's microbatches now; a local mesh's in the job, which knows its devices
+    cfg = sharding.with_microbatch_size(to_run_config(composed), None)
     validate(cfg)
     return Composed(cfg, launcher, *dirs)
 

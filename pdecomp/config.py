@@ -24,6 +24,7 @@ from typing import Any
 class FitMode(enum.StrEnum):
     none = "none"
     batch = "batch"  # the largest batch under the cap
+    microbatches = "microbatches"  # the fewest microbatches under the cap
 
 
 class DType(enum.StrEnum):
@@ -255,6 +256,9 @@ class OptimConfig:
     # Gradient accumulation: the batch's step taken over this many microbatches in turn
     # (the same step: imp-min's whole-batch sums first, then each microbatch's gradient).
     microbatches: int = 1
+    # Or the examples each device of the mesh's data axis takes per microbatch (0: the count
+    # above): microbatches = batch / (this x data axis), so a preset follows its mesh.
+    microbatch_size: int = 0
     faith_warmup_steps: int = 200
     faith_warmup_lr: float = 0.01
     faith_warmup_weight_decay: float = 0.1

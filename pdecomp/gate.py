@@ -479,7 +479,8 @@ def format_report(report: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("XLA FLOPs", f"{report['flops']:.3e} (loop bodies once)"))
     if "fit" in report:
         fit = report["fit"]
-        rows.append(("fit", f"{len(fit['tried'])} batches compiled: {fit['why']}"))
+        what = "batches" if fit["mode"] == "batch" else "microbatch counts"
+        rows.append(("fit", f"{len(fit['tried'])} {what} compiled: {fit['why']}"))
     if "measured_peak_bytes" in report:
         rows.append(("measured peak", fmt_bytes(report["measured_peak_bytes"])))
         rows.append(("predicted / measured", f"{report['predicted_over_measured']:.3f}"))
@@ -587,8 +588,43 @@ def _secant(tried: dict[int, tuple[Any, dict[str, Any]]], lo: int, hi: int | Non
 
 
 def _with_fit(report: dict[str, Any], chosen: int, why: str,
-              tried: dict[int, tuple[Any, dict[str, Any]]]) -> dict[str, Any]:
-    report["fit"] = {"mode": "batch", "chosen": chosen, "why": why,
-                     "tried": [{"batch_size": k, "peak_bytes": r["peak_bytes"], "fits": r["fits"]}
+              tried: dict[int, tuple[Any, dict[str, Any]]], mode: str = "batch"
+              ) -> dict[str, Any]:
+    key = {"batch": "batch_size", "microbatches": "microbatches"}[mode]
+    report["fit"] = {"mode": mode, "chosen": chosen, "why": why,
+                     "tried": [{key: k, "peak_bytes": r["peak_bytes"], "fits": r["fits"]}
                                for k, (_, r) in sorted(tried.items())]}
     return report
+
+
+def fit_microbatches(compile_at: Callable[[int], tuple[Any, dict[str, Any]]],
+                     candidates: list[int]) -> tuple[int, Any, dict[str, Any]]:
+    """The fewest microbatches among `candidates` (the counts the batch and the mesh allow)
+    whose step fits under the cap. More microbatches never need more memory (each holds
+    fewer examples' activations; the state and target are the same), so: the most first
+    (if it does not fit, none does: one compile), then the fewest (often enough: two), then
+    bisection between the fewest known to fit and the most known not to.
+
+    Returns the count with its executable and report, whose `fit` entry lists every count
+    compiled and says why the choice; a refusal returns the most microbatches' report."""
+    counts = sorted(set(candidates))
+    tried: dict[int, tuple[Any, dict[str, Any]]] = {counts[-1]: compile_at(counts[-1])}
+    if not tried[counts[-1]][1]["fits"]:
+        most = tried[counts[-1]][1]
+        why = (f"even {counts[-1]} microbatches (one example per data-axis device in each) "
+               f"peak at {fmt_bytes(most['peak_bytes'])} > cap "
+               f"{fmt_bytes(most['cap_bytes'])} per device")
+        return counts[-1], tried[counts[-1]][0], _with_fit(most, counts[-1], why, tried,
+                                                           "microbatches")
+    lo, hi = -1, len(counts) - 1  # counts[lo] does not fit (-1: none tried), counts[hi] fits
+    probe = 0
+    while hi - lo > 1:
+        tried[counts[probe]] = compile_at(counts[probe])
+        lo, hi = (lo, probe) if tried[counts[probe]][1]["fits"] else (probe, hi)
+        probe = (lo + hi) // 2
+    compiled, report = tried[counts[hi]]
+    why = (f"{counts[hi]} microbatches peak at {fmt_bytes(report['peak_bytes'])} "
+           f"(cap {fmt_bytes(report['cap_bytes'])})"
+           + (f"; {counts[lo]} need {fmt_bytes(tried[counts[lo]][1]['peak_bytes'])}"
+              if lo >= 0 else "; no fewer are possible"))
+    return counts[hi], compiled, _with_fit(report, counts[hi], why, tried, "microbatches")

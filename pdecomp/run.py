@@ -51,7 +51,9 @@ class NonFiniteLoss(FloatingPointError):
 class GateRefused(RuntimeError):
     def __init__(self, report: dict[str, Any]):
         self.report = report
-        why = (f"no batch fits (gate.fit=batch): {report['fit']['why']}" if "fit" in report
+        what = {"batch": "no batch", "microbatches": "no microbatch count"}
+        why = (f"{what[report['fit']['mode']]} fits (gate.fit={report['fit']['mode']}): "
+               f"{report['fit']['why']}" if "fit" in report
                else f"predicted peak {fmt_bytes(report['peak_bytes'])} > cap "
                     f"{fmt_bytes(report['cap_bytes'])} per device")
         super().__init__(f"gate refused: {why}")
@@ -295,6 +297,8 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
     again in `run_dir` resumes from it."""
     hooks = hooks or Hooks()
     run_dir = Path(run_dir)
+    cfg = sharding.with_microbatch_size(cfg, None if sharding.is_deviceless(cfg)
+                                        else len(jax.devices()))
     preflight(cfg, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_config(cfg, run_dir)
@@ -336,7 +340,8 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
 def gate(cfg: RunConfig, run_dir: Path, hooks: Hooks) -> Gated:
     """The mesh, the abstract target and state in their shardings, and the gate: compile the
     very step training runs, read its memory, compare to the cap (gate.json; GateRefused when
-    it does not fit). gate.fit=batch first searches the largest batch that fits."""
+    it does not fit). gate.fit=batch first searches the largest batch that fits,
+    gate.fit=microbatches the fewest microbatches."""
     # The batch split on the data axis; target and state split on it too (mesh.shard_state,
     # FSDP) or replicated.
     mesh = sharding.make_mesh(cfg)
@@ -349,7 +354,6 @@ def gate(cfg: RunConfig, run_dir: Path, hooks: Hooks) -> Gated:
     batch_sharding = NamedSharding(mesh, P(sharding.AXIS))
 
     cap, cap_source, memory_env = gate_cap(cfg, mesh)
-    step_fn = make_train_step(cfg, layout)
     # Host-memory (offload) buffers are not told apart in XLA's dump: offload compiles whole.
     detach = (hooks.detach_gate and cfg.gate.only and cfg.gate.fit == "none"
               and sharding.is_deviceless(cfg) and cfg.memory.remat != "offload")
@@ -370,9 +374,9 @@ def gate(cfg: RunConfig, run_dir: Path, hooks: Hooks) -> Gated:
         report = gate_lib.uncompiled_report(argument_bytes=device_bytes, parts=parts, **where)
         return {**report, "batch_size": batch_size, **extra}
 
-    def compile_at(batch_size: int):
+    def compile_at(batch_size: int, c: RunConfig = cfg):
         compiled, report = gate_lib.compile_and_report(
-            step_fn, (state_abs, target_abs, batch_at(batch_size)),
+            make_train_step(c, layout), (state_abs, target_abs, batch_at(batch_size)),
             donate_argnums=(0,) if cfg.memory.donate else (),
             out_shardings=(sharding.shardings(state_abs), NamedSharding(mesh, P())),
             parts=parts_at(batch_size), top_temps=cfg.gate.top_temps, detach=detach, **where)
@@ -391,6 +395,16 @@ def gate(cfg: RunConfig, run_dir: Path, hooks: Hooks) -> Gated:
         cfg = dc.replace(cfg, data=dc.replace(cfg.data, batch_size=batch_size))
         if report["fits"]:  # a refusal says why in its own line
             hooks.log(f"gate.fit=batch: data.batch_size={batch_size}: {report['fit']['why']}")
+    elif cfg.gate.fit == "microbatches":
+        def with_micro(m: int) -> RunConfig:
+            return dc.replace(cfg, optim=dc.replace(cfg.optim, microbatches=m))
+
+        m, compiled, report = gate_lib.fit_microbatches(
+            lambda m: compile_at(cfg.data.batch_size, with_micro(m)),
+            sharding.microbatch_counts(cfg, mesh.shape[sharding.AXIS]))
+        cfg = with_micro(m)
+        if report["fits"]:
+            hooks.log(f"gate.fit=microbatches: optim.microbatches={m}: {report['fit']['why']}")
     else:
         compiled, report = compile_at(cfg.data.batch_size)
     write_json(run_dir / "gate.json", report)

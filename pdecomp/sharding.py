@@ -11,6 +11,7 @@ restore.
 
 from __future__ import annotations
 
+import dataclasses as dc
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -91,6 +92,43 @@ class Layout:
 
 def make_layout(cfg: RunConfig, mesh: Mesh) -> Layout:
     return Layout(mesh, dict(cfg.mesh.rules), cfg.mesh.shard_state)
+
+
+def data_axis(cfg: RunConfig, n_devices: int | None) -> int | None:
+    """The size of the mesh's data axis, where the config and the job's device count (None:
+    not known here) settle it: the planned hosts x GPUs per host (a named GPU target or
+    `mesh.gpus_per_host`), else `mesh.data`, else (a local mesh sized to the batch) the most
+    devices per model-axis group that divide the batch into microbatch_size examples each."""
+    me, o = cfg.mesh, cfg.optim
+    if cfg.gate.target != "local" or me.gpus_per_host:
+        return me.hosts * max(me.gpus_per_host, 1) // me.model
+    if me.data:
+        return me.data
+    if n_devices is None:
+        return None
+    per = max(o.microbatch_size, 1)
+    return max(k for k in range(1, n_devices // me.model + 1)
+               if cfg.data.batch_size % (per * k) == 0)
+
+
+def with_microbatch_size(cfg: RunConfig, n_devices: int | None) -> RunConfig:
+    """`optim.microbatch_size` turned into `optim.microbatches` for this mesh (the config
+    unchanged without one, or where the data axis is not known yet)."""
+    per = cfg.optim.microbatch_size
+    if per <= 0 or cfg.optim.microbatches != 1:
+        return cfg  # none asked for, or already settled (validate names a conflict)
+    axis = data_axis(cfg, n_devices)
+    if axis is None or cfg.data.batch_size % (per * axis):
+        return cfg  # not known yet, or validate names what does not divide
+    m = cfg.data.batch_size // (per * axis)
+    return dc.replace(cfg, optim=dc.replace(cfg.optim, microbatches=m))
+
+
+def microbatch_counts(cfg: RunConfig, axis: int) -> list[int]:
+    """The microbatch counts a batch can be split into on a data axis of `axis` devices:
+    each microbatch a whole number of examples on every device."""
+    per_device = cfg.data.batch_size // axis
+    return [m for m in range(1, per_device + 1) if per_device % m == 0]
 
 
 def is_deviceless(cfg: RunConfig) -> bool:

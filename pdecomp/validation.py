@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from pdecomp import sharding
 from pdecomp.ci import CI_FNS
 from pdecomp.config import (
     DATA_SOURCES,
@@ -49,6 +50,7 @@ def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
     for check in (_validate_model, _validate_layers, _validate_loss, _validate_optim,
                   _validate_data):
         check(cfg)
+    _validate_microbatch_size(cfg, n_devices)
     _validate_mesh(cfg, n_devices)
     _validate_memory_and_gate(cfg)
 
@@ -186,6 +188,29 @@ def _validate_data(cfg: RunConfig) -> None:
     if d.source in ("tokens", "hf_dataset") and not d.path and not cfg.gate.only:
         raise ConfigError("data.path", d.path, f"data.source={d.source} needs a path")
     kind.validate_data(cfg)
+
+
+def _validate_microbatch_size(cfg: RunConfig, n_devices: int | None) -> None:
+    """optim.microbatch_size: one of it and optim.microbatches, a batch it divides on the
+    mesh's data axis, and no gate search that would change what it fixes."""
+    o, fit = cfg.optim, cfg.gate.fit
+    check_positive("optim.microbatch_size", o.microbatch_size, zero_ok=True)
+    if not o.microbatch_size:
+        return
+    if fit != "none":
+        raise ConfigError("optim.microbatch_size", o.microbatch_size,
+                          f"fixes the microbatches that gate.fit={fit} would search: set "
+                          "optim.microbatch_size=0 or gate.fit=none")
+    axis = sharding.data_axis(cfg, n_devices)
+    if axis is not None and cfg.data.batch_size % (o.microbatch_size * axis):
+        raise ConfigError("optim.microbatch_size", o.microbatch_size,
+                          f"x the mesh's data axis ({axis}) must divide data.batch_size "
+                          f"({cfg.data.batch_size})")
+    resolved = None if axis is None else cfg.data.batch_size // (o.microbatch_size * axis)
+    if o.microbatches not in (1, resolved):
+        raise ConfigError("optim.microbatches", o.microbatches,
+                          f"set one of optim.microbatches and optim.microbatch_size "
+                          f"({o.microbatch_size})")
 
 
 def _validate_mesh(cfg: RunConfig, n_devices: int | None) -> None:

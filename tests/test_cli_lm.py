@@ -76,7 +76,7 @@ def test_run_from_a_hugging_face_directory(tmp_path: Path, env: dict[str, str]) 
 def test_llama8b_chunkwise_gate_for_64_b200s(tmp_path: Path, env: dict[str, str]) -> None:
     """Journey 2 with the seed's run: 27 sites of Llama-3.1-8B at C = 49152, no weights, no
     GPU; the per-device table for 8 hosts x 8 B200s as data 8 x model 8, the preset's memory
-    plan (16 microbatches, streamed CI). Seq 512, batch 128 sat at 136.5 GiB before the plan,
+    plan (microbatches of 2 examples per data-axis device: 8 here; streamed CI). Seq 512, batch 128 sat at 136.5 GiB before the plan,
     and the seed at 144.8-150.3."""
     run_dir = tmp_path / "gate"
     proc = ok(pdecomp(["+experiment=llama8b_l18-26_chunkwise", "gate.only=true", "gate.target=b200",

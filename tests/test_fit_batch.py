@@ -1,4 +1,5 @@
-"""gate.fit=batch: the search for the largest batch under the cap, counted in compiles."""
+"""gate.fit=batch: the search for the largest batch under the cap, counted in compiles; and
+gate.fit=microbatches: the fewest microbatches under the cap."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import load_json, pdecomp
 
-from pdecomp.gate import fit_batch, format_report
+from pdecomp.gate import fit_batch, fit_microbatches, format_report
 
 pytestmark = pytest.mark.jax_versions  # the search reads the gate's compiled figures
 
@@ -161,3 +162,57 @@ def test_cli_impossible_cap_refuses_without_a_search(tmp_path: Path, env: dict[s
     assert gate["fits"] is False and gate["compiled"] is False
     assert gate["fit"]["tried"] == [] and gate["batch_size"] == 1
     assert "0 batches compiled" in proc.stderr
+
+
+# gate.fit=microbatches: the peak falls as the count grows (fewer examples' activations each)
+def per_microbatch(state: float, per_example: float, batch: int) -> Callable[[int], float]:
+    return lambda m: state + per_example * batch / m
+
+
+@pytest.mark.parametrize("cap_mib", [10.5, 11, 12.5, 20, 26, 40, 1000])
+def test_the_fewest_microbatches_that_fit_are_found_by_bisection(cap_mib):
+    counts = [1, 2, 4, 8, 16, 32, 64]  # a batch of 64 per data-axis device
+    compiler = Compiler(per_microbatch(10 * MiB, MiB / 4, 64), cap_mib * MiB)
+    chosen, exe, report = fit_microbatches(compiler, counts)
+    truth = min(m for m in counts if compiler.peak(m) <= compiler.cap)
+    assert chosen == truth and exe == f"exe{truth}" and report["fits"]
+    fit = report["fit"]
+    assert fit["mode"] == "microbatches" and fit["chosen"] == truth
+    assert [t["microbatches"] for t in fit["tried"]] == sorted(set(compiler.calls))
+    assert len(compiler.calls) == len(set(compiler.calls))  # no count compiled twice
+    # the most, the fewest, then bisection: at most 2 + log2(7) compiles
+    assert compiler.calls[:2] == [64, 1] and len(compiler.calls) <= 5, compiler.calls
+    assert f"{truth} microbatches peak at" in fit["why"]
+
+
+def test_no_microbatch_count_fits_costs_one_compile():
+    compiler = Compiler(per_microbatch(10 * MiB, MiB, 64), 5 * MiB)
+    chosen, _, report = fit_microbatches(compiler, [1, 2, 4, 8, 16, 32, 64])
+    assert chosen == 64 and not report["fits"] and compiler.calls == [64]
+    assert report["fit"]["why"].startswith("even 64 microbatches")
+
+
+def test_cli_fit_microbatches_takes_the_fewest_under_the_cap(tmp_path: Path,
+                                                             env: dict[str, str]) -> None:
+    """The residual MLP at batch 2048 with a cap between its 1- and 8-microbatch peaks: the
+    run trains with the count the search chose, and gate.json says which were compiled."""
+    run_dir = tmp_path / "fit"
+    base = ["+experiment=resid_mlp1", "gate.only=true", "logging.wandb=false"]
+    peaks = {}
+    for m in (1, 8):
+        proc = pdecomp([*base, f"optim.microbatches={m}", f"hydra.run.dir={tmp_path / str(m)}"],
+                       tmp_path, env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        peaks[m] = load_json(tmp_path / str(m) / "gate.json")["peak_bytes"]
+    assert peaks[8] < peaks[1]
+    cap_gib = (peaks[1] + peaks[8]) / 2 / 2**30
+    proc = pdecomp([*base, "gate.fit=microbatches", f"memory.hbm_cap_gib={cap_gib}",
+                    f"hydra.run.dir={run_dir}"], tmp_path, env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    gate = load_json(run_dir / "gate.json")
+    fit = gate["fit"]
+    assert gate["fits"] and fit["mode"] == "microbatches" and 1 < fit["chosen"] <= 8
+    tried = {t["microbatches"]: t["fits"] for t in fit["tried"]}
+    assert tried[1] is False and tried[fit["chosen"]] is True
+    assert all(not ok for m, ok in tried.items() if m < fit["chosen"])
+    assert f"gate.fit=microbatches: optim.microbatches={fit['chosen']}" in proc.stderr

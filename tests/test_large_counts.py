@@ -52,7 +52,7 @@ def test_the_8b_step_traces_with_13_mlp_layers():
                      for w in ("gate_proj", "up_proj", "down_proj"))
     cfg = compose(["+experiment=llama8b_l18-26_chunkwise", f"layers.sites=[{sites}]",
                    "loss.recon.chunkwise.sites_per_chunk=13", "data.batch_size=16",
-                   "optim.microbatches=1", "mesh=single", "data.source=synthetic"])
+                   "optim.microbatch_size=0", "mesh=single", "data.source=synthetic"])
     target, state = abstract_run(cfg, jax.random.PRNGKey(0))
     batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len), jnp.int32)
     new_state, metrics = jax.eval_shape(make_train_step(cfg), state, target, batch)

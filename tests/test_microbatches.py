@@ -102,3 +102,50 @@ def test_microbatches_must_divide_the_batch_and_leave_every_device_rows():
                      mesh=dc.replace(RunConfig().mesh, data=2))
     with pytest.raises(ConfigError, match="in each of optim.microbatches=4096"):
         validate(cfg, n_devices=2)
+
+
+# optim.microbatch_size: examples per data-axis device per microbatch, so a preset's
+# microbatches follow the mesh it runs on.
+@pytest.mark.parametrize("mesh, data_axis, microbatches", [("fsdp8x8", 8, 8), ("fsdp64", 64, 1),
+                                                          ("fsdp16x8", 16, 4)])
+def test_the_8b_preset_takes_its_microbatches_from_the_mesh(mesh, data_axis, microbatches):
+    from launcher.api import compose
+
+    from pdecomp import sharding
+
+    cfg = compose(["gate.only=true", "gate.target=b200", f"mesh={mesh}"],
+                  preset="llama8b_l18-26_chunkwise")
+    assert cfg.optim.microbatch_size == 2 and cfg.data.batch_size == 128
+    assert sharding.data_axis(cfg, None) == data_axis
+    assert cfg.optim.microbatches == microbatches  # 128 / (2 x data axis)
+    assert sharding.microbatch_counts(cfg, data_axis) == [
+        m for m in range(1, 128 // data_axis + 1) if 128 // data_axis % m == 0]
+
+
+def test_a_local_mesh_settles_its_microbatches_in_the_job():
+    from pdecomp import sharding
+
+    cfg = dc.replace(RunConfig(), optim=dc.replace(RunConfig().optim, microbatch_size=512),
+                     data=dc.replace(RunConfig().data, batch_size=4096))
+    assert sharding.with_microbatch_size(cfg, None) == cfg  # devices not known yet
+    assert sharding.with_microbatch_size(cfg, 1).optim.microbatches == 8
+    assert sharding.with_microbatch_size(cfg, 8).optim.microbatches == 1  # 8 devices x 512
+    assert sharding.with_microbatch_size(cfg, 2).optim.microbatches == 4
+    unset = dc.replace(cfg, optim=dc.replace(cfg.optim, microbatch_size=0))
+    assert sharding.with_microbatch_size(unset, 8) == unset
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["optim.microbatches=4"], "optim.microbatches"),  # both set
+    (["optim.microbatch_size=3"], "optim.microbatch_size"),  # 3 x 8 does not divide 128
+    (["optim.microbatch_size=-1"], "optim.microbatch_size"),
+    (["gate.fit=microbatches"], "optim.microbatch_size"),  # the search would change it
+    (["gate.fit=batch"], "optim.microbatch_size"),
+])
+def test_microbatch_size_refusals_name_the_key(overrides, key):
+    from launcher.api import compose
+
+    with pytest.raises(ConfigError) as e:
+        compose(["gate.only=true", "gate.target=b200", "mesh=fsdp8x8", *overrides],
+                preset="llama8b_l18-26_chunkwise")
+    assert e.value.key == key, str(e.value)
