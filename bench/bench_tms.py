@@ -24,7 +24,7 @@ TORCH_FULL_RUN_S = 6 * 60.0
 STEP_SCRIPT = textwrap.dedent("""
     import dataclasses, json, sys, time, jax, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from pdecomp import hardware, targets
+    from pdecomp import hardware, targets, toys
     from pdecomp.config import RunConfig
     from pdecomp.train import init_state, make_train_step
     cfg = RunConfig()
@@ -35,7 +35,7 @@ STEP_SCRIPT = textwrap.dedent("""
     target = jax.device_put(targets.init_target(jax.random.PRNGKey(0), cfg.model), rep)
     state = jax.device_put(init_state(jax.random.PRNGKey(1), cfg, target), rep)
     step = jax.jit(make_train_step(cfg), donate_argnums=0)
-    x = jax.device_put(targets.sample_inputs(jax.random.PRNGKey(2), cfg.model, 4096), shard)
+    x = jax.device_put(toys.sample_inputs(jax.random.PRNGKey(2), cfg.model, 4096), shard)
     state, m = step(state, target, x); jax.block_until_ready(m)
     n, t = 300, time.perf_counter()
     for _ in range(n):

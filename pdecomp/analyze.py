@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-from pdecomp import metrics, plots, targets
+from pdecomp import metrics, plots, toys
 from pdecomp.ci import ci_lower
 from pdecomp.commands import Parser, progress_bar
 from pdecomp.config import EVAL_SEED_OFFSET, EXIT_BAD_CONFIG
@@ -138,7 +138,7 @@ def _lm_windows(run: Run, windows: int, batch_size: int) -> Iterator[np.ndarray]
 def _toy_inputs(run: Run, inputs: int, batch_size: int) -> Iterator[Array]:
     key = jax.random.PRNGKey(run.config.seed + EVAL_SEED_OFFSET)
     for i, first in enumerate(range(0, inputs, batch_size)):
-        yield targets.sample_inputs(jax.random.fold_in(key, i), run.config.model,
+        yield toys.sample_inputs(jax.random.fold_in(key, i), run.config.model,
                                     min(batch_size, inputs - first))
 
 

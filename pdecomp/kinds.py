@@ -73,6 +73,20 @@ class Kind:
         """A target of the right shapes with fresh weights (the gate's abstract target)."""
         raise NotImplementedError
 
+    def train_target(self, model: ModelConfig, seed: int,
+                     on_progress: Callable[[int, float], None] | None) -> Any:
+        """Its target trained from `seed` (pdecomp.targets caches it by its settings)."""
+        raise NotImplementedError
+
+    def check_target(self, target: Any, model: ModelConfig) -> dict[str, Any]:
+        """Did training give a target worth decomposing? `ok` says; `problem` says why not
+        (a target that fails is trained again from the next seed)."""
+        raise NotImplementedError
+
+    def trained_means(self, model: ModelConfig) -> str:
+        """What a trained target that passes `check_target` does, for a refusal's line."""
+        return "passes its check"
+
     def positions(self, cfg: RunConfig, batch_size: int) -> tuple[int, ...]:
         """The leading (position) shape of a batch's site inputs."""
         return (batch_size,)

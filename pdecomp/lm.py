@@ -12,10 +12,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 from jax.sharding import NamedSharding
 from jaxtyping import Array
 
-from pdecomp import data, llama, metrics, sharding, targets
+from pdecomp import data, llama, losses, metrics, sharding, targets
 from pdecomp.config import (
     EVAL_SEED_OFFSET,
     LLAMA_ATTN,
@@ -57,6 +59,19 @@ def n_layers(model: ModelConfig) -> int:
         raise ConfigError("model.path", model.path,
                           f"must be a Hugging Face model directory with a readable config.json "
                           f"({type(e).__name__}: {e})") from None
+
+
+# A trained Llama's CE may exceed the language's rate by this much: a row's first few ids
+# have no context to predict them from, and a model that learned nothing sits near log(V).
+LM_CE_SLACK = 0.5
+LM_TRAIN_SEQ_LEN = 64
+_LM_CHUNK = 25  # steps per compiled scan; the host draws the chunk's batches in between
+
+
+def _language(cfg: ModelConfig, seed: int) -> data.TokenStream:
+    """The synthetic language a pathless Llama with train_steps learns (seed: its rows)."""
+    return data.open_tokens(data.TokenSpec("synthetic", "", "uint16", "", LM_TRAIN_SEQ_LEN,
+                                           cfg.vocab_size, seed))
 
 
 @functools.lru_cache(maxsize=4)
@@ -129,6 +144,36 @@ class LlamaKind(Kind):
 
     def init_target(self, key: Array, model: ModelConfig, dtype: Any) -> Any:
         return llama.init_llama(key, llama.arch(model), dtype)
+
+    def train_target(self, model: ModelConfig, seed: int,
+                     on_progress: Callable[[int, float], None] | None) -> Any:
+        """AdamW on next-token CE over the synthetic language."""
+        steps = model.train_steps
+        lr = optax.warmup_cosine_decay_schedule(0.0, model.train_lr, max(steps // 20, 1),
+                                                steps, 0.1 * model.train_lr)
+        opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(lr, weight_decay=0.0))
+        stream = _language(model, seed)
+        chunks = ((min(s + _LM_CHUNK, steps),
+                   np.stack([stream.rows(i, model.train_batch_size)
+                             for i in range(s, min(s + _LM_CHUNK, steps))]))
+                  for s in range(0, steps, _LM_CHUNK))
+        return targets.fit(self.init_target(jax.random.PRNGKey(seed), model, jnp.float32),
+                           lambda m, tokens: losses.cross_entropy(m(tokens), tokens), opt,
+                           chunks, on_progress)
+
+    def check_target(self, target: Any, model: ModelConfig) -> dict[str, Any]:
+        """Its CE on held-out rows of the language against the language's rate."""
+        stream = _language(model, model.seed + 1_000_000)  # not the training seed's rows
+        ce = float(np.mean([losses.cross_entropy(target(t), t) for t in
+                            (jnp.asarray(stream.rows(i, 64)) for i in range(4))]))
+        rate = data.synthetic_entropy(model.vocab_size)
+        ok = ce <= rate + LM_CE_SLACK
+        return {"ce": ce, "language_rate": rate, "slack": LM_CE_SLACK, "ok": ok,
+                "problem": "" if ok else f"next-token CE {ce:.3f} nats is more than "
+                                         f"{LM_CE_SLACK} above the language's {rate:.3f}"}
+
+    def trained_means(self, model: ModelConfig) -> str:
+        return "learns the synthetic language"
 
     def positions(self, cfg: RunConfig, batch_size: int) -> tuple[int, ...]:
         return (batch_size, cfg.data.seq_len)

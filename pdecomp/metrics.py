@@ -15,7 +15,7 @@ from pdecomp.ci import ci_lower
 from pdecomp.components import Components, SiteMask, masked_linear, recording_linear
 from pdecomp.config import EvalPGDConfig
 from pdecomp.masks import masks_from_sources, sample_forward_masks
-from pdecomp.targets import TMS, ResidMLP
+from pdecomp.toy_models import TMS, ResidMLP
 from pdecomp.train import Adversary, ascend
 
 

@@ -36,7 +36,7 @@ class RunDirError(ValueError):
 class Run:
     run_dir: Path
     config: RunConfig
-    target: Any  # the frozen target (targets.TMS, targets.ResidMLP, llama.Llama)
+    target: Any  # the frozen target (toy_models.TMS, toy_models.ResidMLP, llama.Llama)
     components: Components  # every site's, tied followers included (V=Uᵀ of the leader)
     ci_fn: Any  # the CI function: ci_fn(site inputs, components) -> CI logits per site
     state: TrainState  # the whole checkpointed state (optimizer moments, adversary)

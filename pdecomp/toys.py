@@ -1,5 +1,6 @@
-"""The toy kinds: TMS and the residual MLP, trained in-process on sparse features, whose
-ground truth (one component per feature) the final metrics compare against."""
+"""The toy kinds: TMS and the residual MLP (their modules in pdecomp.toy_models), trained
+in-process on sparse features, whose ground truth (one component per feature) the final
+metrics compare against."""
 
 from __future__ import annotations
 
@@ -7,15 +8,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import NamedSharding
-from jaxtyping import Array
+from jaxtyping import Array, PRNGKeyArray
 
-from pdecomp import metrics, plots, sharding, targets
+from pdecomp import metrics, plots, sharding, targets, toy_models
 from pdecomp.config import ConfigError, ModelConfig, ResidMLPConfig, RunConfig, TMSConfig
-from pdecomp.kinds import Kind
+from pdecomp.kinds import Kind, kind_of
+
+_TRAIN_CHUNK = 500  # steps per compiled scan of a toy's training
+
+
+def sample_inputs(key: PRNGKeyArray, model: ModelConfig, batch_size: int) -> Array:
+    """A batch of a toy's sparse features, as its kind draws them."""
+    return kind_of(model).sample_inputs(key, model, batch_size)
 
 
 class ToyKind(Kind):
@@ -29,8 +39,54 @@ class ToyKind(Kind):
         if not 0.0 < model.feature_prob <= 1.0:
             raise ConfigError("model.feature_prob", model.feature_prob, "must be in (0, 1]")
 
-    def init_target(self, key: Array, model: ModelConfig, dtype: Any) -> Any:
-        return targets.init_target(key, model, dtype)
+    feature_low = 0.0  # an active feature's value is U[feature_low, 1]
+
+    def labels(self, x: Array) -> Array:
+        """What the target is trained to output for features x."""
+        raise NotImplementedError
+
+    def frozen_in_training(self, target: Any) -> Any:
+        """The filter spec of the weights its training leaves alone (True: trained)."""
+        return jax.tree.map(lambda _: True, target)
+
+    def sample_inputs(self, key: PRNGKeyArray, model: ModelConfig, batch_size: int) -> Array:
+        return toy_models.sample_features(key, model.n_features, model.feature_prob,
+                                          batch_size, self.feature_low)
+
+    def train_target(self, model: ModelConfig, seed: int,
+                     on_progress: Callable[[int, float], None] | None) -> Any:
+        """Adam on MSE against `labels`, fresh features every step."""
+        init_key, data_key = jax.random.split(jax.random.PRNGKey(seed))
+        target = self.init_target(init_key, model, jnp.float32)
+        params, static = eqx.partition(target, self.frozen_in_training(target))
+
+        def loss_fn(params, key):
+            x = self.sample_inputs(key, model, model.train_batch_size)
+            return jnp.mean((eqx.combine(params, static)(x) - self.labels(x)) ** 2)
+
+        keys = jax.random.split(data_key, model.train_steps)
+        chunks = ((min(s + _TRAIN_CHUNK, model.train_steps), keys[s:s + _TRAIN_CHUNK])
+                  for s in range(0, model.train_steps, _TRAIN_CHUNK))
+        return eqx.combine(targets.fit(params, loss_fn, optax.adam(model.train_lr), chunks,
+                                       on_progress), static)
+
+    def check_target(self, target: Any, model: ModelConfig) -> dict[str, Any]:
+        """Does the target represent every feature? The decomposition's ground truth needs
+        it."""
+        score, threshold = self.feature_scores(target, model)
+        missing = [int(i) for i in np.flatnonzero(score < threshold)]
+        problem = (f"misses features {missing} (scores below {threshold}; median "
+                   f"{float(np.median(score)):.3f})") if missing else ""
+        return {"n_features": model.n_features, "missing": missing, "threshold": threshold,
+                "min_score": float(score.min()), "median_score": float(np.median(score)),
+                "ok": not missing, "problem": problem}
+
+    def feature_scores(self, target: Any, model: ModelConfig) -> tuple[np.ndarray, float]:
+        """How well each feature is represented, and the score below which it is missing."""
+        raise NotImplementedError
+
+    def trained_means(self, model: ModelConfig) -> str:
+        return f"represents all {model.n_features} features"
 
     def batch_abstract(self, cfg: RunConfig, batch_size: int, sharding: NamedSharding
                        ) -> jax.ShapeDtypeStruct:
@@ -43,8 +99,8 @@ class ToyKind(Kind):
         B = cfg.data.batch_size
         # fold_in inside the jit: one dispatch a step, not two (the host thread shares the
         # cores with the step on a CPU)
-        sample = jax.jit(lambda k, i: targets.sample_inputs(jax.random.fold_in(k, i),
-                                                            cfg.model, B),
+        sample = jax.jit(lambda k, i: self.sample_inputs(jax.random.fold_in(k, i),
+                                                         cfg.model, B),
                          out_shardings=sharding)
         return lambda i: sample(key, i)
 
@@ -63,6 +119,22 @@ class TMSKind(ToyKind):
     schema = TMSConfig
     positive = (*ToyKind.positive, "n_hidden_layers")
     zero_ok = ("n_hidden_layers",)
+
+    def init_target(self, key: Array, model: ModelConfig, dtype: Any) -> Any:
+        return toy_models.init_tms(key, model.n_features, model.d_hidden,
+                                   model.n_hidden_layers)
+
+    def labels(self, x: Array) -> Array:
+        return x  # an autoencoder of its features
+
+    def feature_scores(self, target: Any, model: ModelConfig) -> tuple[np.ndarray, float]:
+        # a represented feature's embedding row has norm ~1, a dropped one's collapses to ~0
+        return np.asarray(jnp.linalg.norm(target.W, axis=-1)), 0.5
+
+    def frozen_in_training(self, target: Any) -> Any:
+        # the hidden identity layers of the +ID variants stay identities
+        return eqx.tree_at(lambda t: t.hidden, super().frozen_in_training(target),
+                           [False] * len(target.hidden))
 
     def site_names(self, model: ModelConfig) -> tuple[str, ...]:
         hidden = tuple("hidden" if model.n_hidden_layers == 1 else f"hidden.{i}"
@@ -98,6 +170,25 @@ class TMSKind(ToyKind):
 class ResidMLPKind(ToyKind):
     schema = ResidMLPConfig
     positive = (*ToyKind.positive, "d_embed", "n_layers")
+    feature_low = -1.0
+
+    def init_target(self, key: Array, model: ModelConfig, dtype: Any) -> Any:
+        return toy_models.init_resid_mlp(key, model.n_features, model.d_embed,
+                                         model.d_hidden, model.n_layers)
+
+    def labels(self, x: Array) -> Array:
+        return x + jax.nn.relu(x)
+
+    def feature_scores(self, target: Any, model: ModelConfig) -> tuple[np.ndarray, float]:
+        # what the MLP adds to output i for the one-hot input e_i (ideally 1.0): 100
+        # features share 50 neurons, so interference leaves some well below 1 without the
+        # feature being dropped
+        eye = jnp.eye(model.n_features, dtype=jnp.float32)
+        return np.asarray(jnp.diagonal(target(eye)) - 1.0), 0.25
+
+    def frozen_in_training(self, target: Any) -> Any:
+        # the fixed embedding the features are read in and out by
+        return eqx.tree_at(lambda t: t.W_E, super().frozen_in_training(target), False)
 
     def site_names(self, model: ModelConfig) -> tuple[str, ...]:
         return tuple(f"layers.{i}.{w}" for i in range(model.n_layers)

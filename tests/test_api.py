@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from launcher import api
-from pdecomp import metrics, targets
+from pdecomp import metrics, toys
 from pdecomp.components import masked_linear
 from pdecomp.run import Hooks, evaluate
 
@@ -37,7 +37,7 @@ def test_compose_run_load_gives_the_runs_results(cache, tmp_path: Path) -> None:
 
     # The masked forward of the loaded components: with the CI's masks (rounded at the
     # threshold) it is far closer to the target than ablating every component.
-    x = targets.sample_inputs(jax.random.PRNGKey(1), cfg.model, 1000)
+    x = toys.sample_inputs(jax.random.PRNGKey(1), cfg.model, 1000)
     lower = metrics.causal_importances(run.target, run.components, run.ci_fn, x)
 
     def error(kind: str) -> float:

@@ -16,7 +16,7 @@ SCRIPT = textwrap.dedent("""
     import json, sys, dataclasses as dc
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from pdecomp import losses, targets
+    from pdecomp import losses, targets, toys
     from pdecomp.config import RunConfig
     from pdecomp.ci import ci_upper
     from conftest import train_on_all_devices
@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent("""
     # Five whole train steps of TMS 5-2 (an untrained target is enough to compare numbers).
     cfg = RunConfig()
     cfg = dc.replace(cfg, data=dc.replace(cfg.data, batch_size=512))
-    batches = [targets.sample_inputs(jax.random.PRNGKey(10 + i), cfg.model, 512)
+    batches = [toys.sample_inputs(jax.random.PRNGKey(10 + i), cfg.model, 512)
                for i in range(5)]
     _, out["history"] = train_on_all_devices(cfg, 1, 2, batches)
     print(json.dumps(out))

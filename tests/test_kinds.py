@@ -25,8 +25,10 @@ from pdecomp.toys import ToyKind
 from pdecomp.validation import validate
 
 ROOT = Path(__file__).resolve().parents[1]
-# The modules of the kinds themselves (and the registry); everything else is the core.
-PER_KIND = {"kinds.py", "toys.py", "targets.py", "lm.py", "llama.py"}
+# The modules of the kinds themselves (and the registry); everything else is the core,
+# targets.py (the trained-target cache) included: it asks the kind to make, train and
+# check a target.
+PER_KIND = {"kinds.py", "toys.py", "toy_models.py", "lm.py", "llama.py"}
 SWITCH = re.compile(r"\.kind\s*(==|!=|\bin\b|\bnot in\b)|model\.kind\]|"
                     r"isinstance\([^)]*\b(TMS|ResidMLP|Llama)\b|tokens_per_example\([^)]*\)\s*>")
 
@@ -36,7 +38,9 @@ def test_the_core_asks_the_kind_instead_of_switching_on_it():
             for folder in ("pdecomp", "launcher") for path in sorted((ROOT / folder).glob("*.py"))
             if path.name not in PER_KIND
             for i, line in enumerate(path.read_text().splitlines(), 1) if SWITCH.search(line)]
-    assert len(hits) <= 3, "\n".join(hits)
+    # the one left: analyze's page shows token contexts or feature inputs, by what the
+    # kind's examples are (a capability asked of the kind, not its name)
+    assert len(hits) <= 1, "\n".join(hits)
 
 
 def test_every_registered_kind_resolves_and_an_unknown_one_is_refused():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from test_lm import tiny_cfg, tokens
 
-from pdecomp import targets
+from pdecomp import targets, toys
 from pdecomp.config import ConfigError, OptGroupConfig, RunConfig
 from pdecomp.masks import Positions, sample_forward_masks
 from pdecomp.train import init_state, make_train_step
@@ -76,7 +76,7 @@ def test_tms_step_over_microbatches_is_the_whole_batch_step():
     cfg = dc.replace(base, data=dc.replace(base.data, batch_size=256),
                      optim=dc.replace(base.optim, components=LINEAR_ADAM, ci_fn=LINEAR_ADAM))
     target = targets.init_target(jax.random.PRNGKey(0), cfg.model)
-    x = targets.sample_inputs(jax.random.PRNGKey(2), cfg.model, 256)
+    x = toys.sample_inputs(jax.random.PRNGKey(2), cfg.model, 256)
     assert_same_step(cfg, target, x, 8)
 
 
@@ -110,7 +110,6 @@ def test_microbatches_must_divide_the_batch_and_leave_every_device_rows():
                                                           ("fsdp16x8", 16, 4)])
 def test_the_8b_preset_takes_its_microbatches_from_the_mesh(mesh, data_axis, microbatches):
     from launcher.api import compose
-
     from pdecomp import sharding
 
     cfg = compose(["gate.only=true", "gate.target=b200", f"mesh={mesh}"],

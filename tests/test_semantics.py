@@ -22,7 +22,8 @@ from pdecomp.components import (
 )
 from pdecomp.config import RunConfig, TMSConfig
 from pdecomp.masks import make_plan, masks_from_sources, sample_routing, sample_source
-from pdecomp.targets import TMS, init_target
+from pdecomp.targets import init_target
+from pdecomp.toy_models import TMS
 
 pytestmark = pytest.mark.jax_versions  # the method's numbers: random bits, custom gradients, the step
 
@@ -333,12 +334,12 @@ def test_tied_update_shared_sums_gradients_per_site_steps_each_site(tie_update):
 
 
 def test_train_step_takes_the_tied_update_it_is_configured_with():
-    from pdecomp import targets
+    from pdecomp import targets, toys
     from pdecomp.train import init_state, make_train_step
 
     base = dc.replace(RunConfig(), data=dc.replace(RunConfig().data, batch_size=64))
     target = targets.init_target(jax.random.PRNGKey(0), base.model)
-    x = targets.sample_inputs(jax.random.PRNGKey(2), base.model, 64)
+    x = toys.sample_inputs(jax.random.PRNGKey(2), base.model, 64)
     leaders = {}
     for mode in ("shared", "per_site"):
         cfg = dc.replace(base, layers=dc.replace(base.layers, tie_update=mode))
@@ -356,12 +357,12 @@ def test_train_step_takes_the_tied_update_it_is_configured_with():
 
 
 def test_train_step_takes_its_optimizers_as_arguments():
-    from pdecomp import targets
+    from pdecomp import targets, toys
     from pdecomp.train import Optimizers, init_state, make_train_step
 
     cfg = dc.replace(RunConfig(), data=dc.replace(RunConfig().data, batch_size=64))
     target = targets.init_target(jax.random.PRNGKey(0), cfg.model)
-    x = targets.sample_inputs(jax.random.PRNGKey(2), cfg.model, 64)
+    x = toys.sample_inputs(jax.random.PRNGKey(2), cfg.model, 64)
 
     def one_step(optimizers):
         state = init_state(jax.random.PRNGKey(1), cfg, target, optimizers)

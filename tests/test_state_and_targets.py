@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pdecomp import targets
+from pdecomp import targets, toys
 from pdecomp.checkpoint import Checkpointer
 from pdecomp.config import RunConfig, TMSConfig
 from pdecomp.gate import abstract
@@ -23,7 +23,7 @@ def test_state_round_trips_through_a_checkpoint(tmp_path):
     target = targets.init_target(jax.random.PRNGKey(0), cfg.model)
     state = init_state(jax.random.PRNGKey(1), cfg, target)
     step = jax.jit(make_train_step(cfg))
-    x = targets.sample_inputs(jax.random.PRNGKey(2), cfg.model, 64)
+    x = toys.sample_inputs(jax.random.PRNGKey(2), cfg.model, 64)
     state, _ = step(state, target, x)  # non-trivial optimizer moments and step counter
     ck = Checkpointer(tmp_path / "ck")
     ck.save(1, state)
@@ -67,14 +67,14 @@ def test_feature_check_finds_a_dropped_feature():
     cfg = TMSConfig()
     t = targets.init_target(jax.random.PRNGKey(0), cfg)
     t = dc.replace(t, W=jnp.ones_like(t.W).at[3].set(0.0))  # feature 3 dropped
-    report = targets.feature_report(t, cfg)
+    report = toys.TMS_KIND.check_target(t, cfg)
     assert report["missing"] == [3] and not report["ok"]
 
 
 def test_target_missing_features_on_every_seed_fails_clearly(tmp_path, monkeypatch):
     cfg = dc.replace(SMALL, cache_dir=str(tmp_path), max_retrain=1)
-    monkeypatch.setattr(targets, "feature_report",
-                        lambda t, c: {"missing": [0], "ok": False, "min_score": 0.0,
+    monkeypatch.setattr(toys.TMSKind, "check_target",
+                        lambda self, t, c: {"missing": [0], "ok": False, "min_score": 0.0,
                                       "median_score": 0.0, "threshold": 0.5,
                                       "problem": "misses features [0]"})
     with pytest.raises(targets.TargetError, match="represents all 5 features"):
