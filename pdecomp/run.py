@@ -56,6 +56,10 @@ class GateRefused(RuntimeError):
                f"{report['fit']['why']}" if "fit" in report
                else f"predicted peak {fmt_bytes(report['peak_bytes'])} > cap "
                     f"{fmt_bytes(report['cap_bytes'])} per device")
+        most = report.get("max_microbatches", 0)
+        if "fit" not in report and report.get("microbatches", most) < most:
+            why += (f"; up to {most} microbatches would hold fewer activations "
+                    "(gate.fit=microbatches finds the fewest that fit)")
         super().__init__(f"gate refused: {why}")
 
 
@@ -407,6 +411,8 @@ def gate(cfg: RunConfig, run_dir: Path, hooks: Hooks) -> Gated:
             hooks.log(f"gate.fit=microbatches: optim.microbatches={m}: {report['fit']['why']}")
     else:
         compiled, report = compile_at(cfg.data.batch_size)
+    report.update(microbatches=cfg.optim.microbatches, max_microbatches=max(
+        sharding.microbatch_counts(cfg, mesh.shape[sharding.AXIS])))
     write_json(run_dir / "gate.json", report)
     if hooks.on_gate:
         hooks.on_gate(report)

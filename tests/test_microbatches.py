@@ -148,3 +148,13 @@ def test_microbatch_size_refusals_name_the_key(overrides, key):
         compose(["gate.only=true", "gate.target=b200", "mesh=fsdp8x8", *overrides],
                 preset="llama8b_l18-26_chunkwise")
     assert e.value.key == key, str(e.value)
+
+
+def test_a_refusal_says_when_more_microbatches_would_hold_less():
+    from pdecomp.run import GateRefused
+
+    report = {"peak_bytes": 200 * 2**30, "cap_bytes": 160 * 2**30, "fits": False}
+    hint = "up to 32 microbatches would hold fewer activations"
+    assert hint in str(GateRefused({**report, "microbatches": 16, "max_microbatches": 32}))
+    assert "microbatches" not in str(GateRefused({**report, "microbatches": 32,
+                                                  "max_microbatches": 32}))
