@@ -102,7 +102,7 @@ def main() -> None:
                       f"{r['analytic_flops'] / r['matmul_flops']:.4f}", f"{rate:.0f}", f"{rate / peak:.0%}",
                       f"{ref_s:.2f}", f"{ref_s / r['step_s']:.2f}x", f"{ref_rss:.2f}",
                       f"{r['rss_gb'] / ref_rss:.2f}x")
-    Console().print(table)
+    Console(width=220).print(table)
     print(json.dumps({"matmul_peak_gflops": peak, "rows": rows}))
 
 
