@@ -43,25 +43,28 @@ JOB = ["loss.pgd.coeff=0", "optim.faith_warmup_steps=0", "loss.eval_pgd.n_steps=
        "logging.plots=false", "logging.ckpt_every=100000"]
 
 
-def job_args(ci_fn: str, model: str | None, data: str | None) -> list[str]:
+def job_args(ci_fn: str, model: str | None, data: str | None,
+             extra: tuple[str, ...] = ()) -> list[str]:
     return [f"layers.ci_fn={ci_fn}", f"layers.ci_hidden={CI_FNS[ci_fn]}", *JOB,
             *([f"model.path={model}"] if model else []),
-            *([f"data.path={data}"] if data else ["data.source=synthetic"])]
+            *([f"data.path={data}"] if data else ["data.source=synthetic"]), *extra]
 
 
-def analytic_flops(ci_fn: str, model: str | None, data: str | None) -> int:
+def analytic_flops(ci_fn: str, model: str | None, data: str | None,
+                   extra: tuple[str, ...] = ()) -> int:
     from launcher import api
 
-    return sum(count(job_of(api.compose(job_args(ci_fn, model, data),
+    return sum(count(job_of(api.compose(job_args(ci_fn, model, data, extra),
                                         preset="smollm2_l28"))).values())
 
 
-def run_job(ci_fn: str, steps: int, model: str | None, data: str | None) -> dict:
+def run_job(ci_fn: str, steps: int, model: str | None, data: str | None,
+            extra: tuple[str, ...] = ()) -> dict:
     pdecomp = str(Path(sys.executable).parent / "pdecomp")
     with tempfile.TemporaryDirectory() as d:
         run_dir = Path(d) / "run"
         args = ["+experiment=smollm2_l28", f"optim.steps={steps}",
-                f"logging.log_every={max(steps // 2, 1)}", *job_args(ci_fn, model, data),
+                f"logging.log_every={max(steps // 2, 1)}", *job_args(ci_fn, model, data, extra),
                 f"hydra.run.dir={run_dir}"]
         t0 = time.perf_counter()
         proc = subprocess.run(["/usr/bin/time", "-f", "maxrss_kb=%M", pdecomp, *args],
@@ -76,7 +79,7 @@ def run_job(ci_fn: str, steps: int, model: str | None, data: str | None) -> dict
     return {"step_s": step_s, "tokens_per_s": history[-1].get("perf/tokens_per_s"),
             "rss_gb": rss_kb * 1024 / 1e9, "gate_peak_gib": gate["peak_bytes"] / 2 ** 30,
             "matmul_flops": gate["matmul_flops"],
-            "analytic_flops": analytic_flops(ci_fn, model, data), "wall_s": wall}
+            "analytic_flops": analytic_flops(ci_fn, model, data, extra), "wall_s": wall}
 
 
 def main() -> None:
@@ -86,6 +89,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--ci-fn", action="append", choices=list(CI_FNS))
     p.add_argument("--reference", help="bench_spd_reference.py's JSON line, this machine's")
+    p.add_argument("--override", action="append", default=[],
+                   help="another override for every row (memory.compute_dtype=bfloat16)")
     args = p.parse_args()
     reference = QUOTED
     if args.reference:
@@ -101,7 +106,8 @@ def main() -> None:
         table.add_column(col, justify="right")
     rows = {}
     for ci_fn in args.ci_fn or list(CI_FNS):
-        r = rows[ci_fn] = run_job(ci_fn, args.steps, args.model, args.data)
+        r = rows[ci_fn] = run_job(ci_fn, args.steps, args.model, args.data,
+                                  tuple(args.override))
         rate = r["matmul_flops"] / r["step_s"] / 1e9
         ref_s, ref_rss = reference[ci_fn]
         table.add_row(ci_fn, f"{r['step_s']:.2f}", f"{r['tokens_per_s']:.0f}",
