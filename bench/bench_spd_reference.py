@@ -5,8 +5,8 @@ sites with KL, no PGD, no warm-up), one row per CI function.
 
 Needs what pdecomp does not: a checkout of goodfire-ai/spd (at 3f0bb61) and a Python with
 torch, transformers, datasets and that checkout's light dependencies (pydantic<2.12, fire,
-tqdm, jaxtyping, einops, python-dotenv, matplotlib, scipy, sympy, wandb). Run from
-pdecomp's venv (it writes the data with pyarrow-free numpy and JSON):
+tqdm, jaxtyping, einops, python-dotenv, matplotlib, scipy, sympy, wandb). Run it with
+pdecomp's venv (it writes the token windows as a JSON-lines dataset with numpy):
 
     .venv/bin/python bench/bench_spd_reference.py --spd SPD_CHECKOUT --python TORCH_PYTHON \\
         --model MODEL_DIR --data TOKENS_FILE [--dtype float32|autocast_bf16]

@@ -413,8 +413,9 @@ def gate(cfg: RunConfig, run_dir: Path, hooks: Hooks) -> Gated:
             hooks.log(f"gate.fit=microbatches: optim.microbatches={m}: {report['fit']['why']}")
     else:
         compiled, report = compile_at(cfg.data.batch_size)
-    report.update(microbatches=cfg.optim.microbatches, max_microbatches=max(
-        sharding.microbatch_counts(cfg, mesh.shape[sharding.AXIS])))
+    # the most microbatches: one example per data-axis device in each (a refusal's hint)
+    report.update(microbatches=cfg.optim.microbatches,
+                  max_microbatches=cfg.data.batch_size // mesh.shape[sharding.AXIS])
     write_json(run_dir / "gate.json", report)
     if hooks.on_gate:
         hooks.on_gate(report)

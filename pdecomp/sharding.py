@@ -96,19 +96,24 @@ def make_layout(cfg: RunConfig, mesh: Mesh) -> Layout:
 
 def data_axis(cfg: RunConfig, n_devices: int | None) -> int | None:
     """The size of the mesh's data axis, where the config and the job's device count (None:
-    not known here) settle it: the planned hosts x GPUs per host (a named GPU target or
-    `mesh.gpus_per_host`), else `mesh.data`, else (a local mesh sized to the batch) the most
-    devices per model-axis group that divide the batch into microbatch_size examples each."""
+    not known here) settle it, by `make_mesh`'s rules: `mesh.data`; else the planned hosts x
+    GPUs per host over the model axis (`mesh.gpus_per_host`, or a named GPU target before
+    devices are known); else the most devices per model-axis group that split each
+    microbatch into whole examples (`optim.microbatch_size` of them each, when set)."""
     me, o = cfg.mesh, cfg.optim
-    if cfg.gate.target != "local" or me.gpus_per_host:
-        return me.hosts * max(me.gpus_per_host, 1) // me.model
     if me.data:
         return me.data
+    if me.gpus_per_host or (cfg.gate.target != "local" and n_devices is None):
+        return me.hosts * max(me.gpus_per_host, 1) // me.model
     if n_devices is None:
         return None
-    per = max(o.microbatch_size, 1)
-    return max(k for k in range(1, n_devices // me.model + 1)
-               if cfg.data.batch_size % (per * k) == 0)
+    micro = cfg.data.batch_size // o.microbatches
+
+    def splits(k: int) -> bool:
+        return (cfg.data.batch_size % (o.microbatch_size * k) == 0 if o.microbatch_size
+                else micro % k == 0)
+
+    return max(k for k in range(1, n_devices // me.model + 1) if splits(k))
 
 
 def with_microbatch_size(cfg: RunConfig, n_devices: int | None) -> RunConfig:
@@ -164,10 +169,7 @@ def make_mesh(cfg: RunConfig) -> Mesh:
         return hardware.topology_mesh(cfg.gate.target, me.hosts, max(me.gpus_per_host, 1),
                                       ((AXIS, total // me.model), (MODEL, me.model)))
     devices = jax.devices()
-    micro = cfg.data.batch_size // cfg.optim.microbatches
-    n = (me.data * me.model if me.data else
-         me.hosts * me.gpus_per_host if me.gpus_per_host else
-         me.model * max(k for k in range(1, len(devices) // me.model + 1) if micro % k == 0))
+    n = me.model * data_axis(cfg, len(devices))
     processes = {d.process_index for d in devices[:n]}
     if len(processes) < jax.process_count():  # a process with no device would have no work
         raise ConfigError("mesh.data", n, f"the mesh must take devices of all "

