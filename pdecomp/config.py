@@ -330,6 +330,10 @@ class MemoryConfig:
     # [B, heads, T, T] attention scores) at a time, at one more forward per layer (runs of
     # site layers keep their batchless matmuls and recompute attention and the rest).
     remat_layers: bool = False
+    # What a rematerialized run of site layers keeps per layer (a name in
+    # pdecomp.llama.SITE_LAYER_SAVES): linears (every batchless matmul), sites (the
+    # components' inner activations and the site outputs), nothing (the layer's input).
+    site_layer_saves: str = "linears"
     # Keep the optimizer moments of components and CI function in pinned host memory between
     # steps: each step copies them to the device for the update and back. Frees their bytes
     # on the device for the whole forward and backward, at two host transfers per step.

@@ -172,7 +172,18 @@ def apply_rope(x: Float[Array, "*b t h d"], cos: Array, sin: Array) -> Array:
     return x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)
 
 
-SITE_LAYER_REMAT = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+# What a scanned run of site layers keeps per layer for its backward when rematerialized
+# (`memory.site_layer_saves`), as a `jax.checkpoint` policy: `linears` every matmul
+# without a batch dimension (the frozen linears, the components', the deltas: attention,
+# norms and activations recomputed); `sites` only the components' inner activations and
+# each site's output (the frozen and delta linears recomputed too, a small share of the
+# FLOPs); `nothing` the layer's input alone (the components' matmuls recomputed as well).
+_cp = jax.checkpoint_policies
+SITE_LAYER_SAVES: dict[str, Callable | None] = {
+    "linears": _cp.dots_with_no_batch_dims_saveable,
+    "sites": _cp.save_only_these_names("site_inner", "site_out"),
+    "nothing": None,
+}
 
 
 def _reads(linear: LinearFn, i: int) -> Any:
@@ -261,13 +272,14 @@ class Llama(eqx.Module):
 
     def run_layers(self, h: Array, start: int, stop: int, linear: LinearFn = frozen_linear,
                    hooked: Sequence[int] = (), streams: dict[int, Array] | None = None,
-                   remat: bool = False) -> Array:
+                   remat: bool = False, saves: str = "linears") -> Array:
         """Layers [start, stop): runs of the layers not in `hooked` under one scan each
         (compile time flat in depth), and so runs of hooked layers whose sites read alike
         when `linear` is a `SiteLinear`; other hooked layers unrolled with named sites.
         `streams`, when given, receives the residual stream entering each hooked layer.
         `remat`: a backward through the scanned layers recomputes each layer from its input
-        instead of keeping every layer's activations (attention scores included) at once."""
+        instead of keeping every layer's activations (attention scores included) at once;
+        a run of site layers keeps what `saves` names in SITE_LAYER_SAVES."""
         rope = self.rope(h.shape[1])
         i = start
         while i < stop:
@@ -276,7 +288,7 @@ class Llama(eqx.Module):
                 reads = _reads(linear, i)
                 while j < stop and j in hooked and _reads(linear, j) == reads:
                     j += 1
-                h = (self._scan_sites(h, i, j, linear, rope, streams, remat) if j - i > 1 else
+                h = (self._scan_sites(h, i, j, linear, rope, streams, remat, saves) if j - i > 1 else
                      self._hooked(h, i, linear, rope, streams))
                 i = j
                 continue
@@ -306,7 +318,7 @@ class Llama(eqx.Module):
 
     def _scan_sites(self, h: Array, i: int, j: int, linear: SiteLinear,
                     rope: tuple[Array, Array], streams: dict[int, Array] | None,
-                    remat: bool) -> Array:
+                    remat: bool, saves: str = "linears") -> Array:
         """Hooked layers [i, j), whose sites read data of one shape, under one scan: one
         traced layer however many there are. Each site's data is stacked over the layers;
         the layers' site inputs (when `linear` records) and entering streams come out as
@@ -331,12 +343,12 @@ class Llama(eqx.Module):
             out = self.block(carry, w, rope, site_linear)
             return out, (carry if streams is not None else None, seen)
 
-        # `remat` here keeps each layer's matmuls without a batch dimension (the linears,
-        # the components' among them, most of a site layer's FLOPs) and recomputes the
-        # rest: the attention's two einsums and softmax, whose [B, heads, T, T] scores
-        # would otherwise be kept for every layer of the run.
+        # `remat` here keeps what `saves` names (by default the layer's matmuls without a
+        # batch dimension: the linears, the components' among them, most of a site layer's
+        # FLOPs) and recomputes the rest: at least the attention's two einsums and softmax,
+        # whose [B, heads, T, T] scores would otherwise be kept for every layer of the run.
         if remat:
-            body = jax.checkpoint(body, policy=SITE_LAYER_REMAT)
+            body = jax.checkpoint(body, policy=SITE_LAYER_SAVES[saves])
         h, (entering, seen) = jax.lax.scan(body, h, (self.layer(slice(i, j)), stacked))
         for k in range(i, j):
             if streams is not None:
@@ -345,8 +357,8 @@ class Llama(eqx.Module):
                 linear.record.update({site_name(k, n): x[k - i] for n, x in seen.items()})
         return h
 
-    def split(self, sites: Sequence[str], dtype: Any, remat_layers: bool = False
-              ) -> tuple[Callable, Callable]:
+    def split(self, sites: Sequence[str], dtype: Any, remat_layers: bool = False,
+              site_layer_saves: str = "linears") -> tuple[Callable, Callable]:
         """(prefix, suffix) around the first layer that holds a site.
 
         The prefix (embedding and the layers before it) runs once per batch outside every
@@ -368,11 +380,12 @@ class Llama(eqx.Module):
                    live: Sequence[str] | None = None) -> Array:
             if live is None or not streams:
                 return self.logits(self.run_layers(h, start, self.n_layers, linear, hooked,
-                                                   streams, remat_layers))
+                                                   streams, remat_layers, site_layer_saves))
             live_layers = sorted({site_layer(s) for s in live})
             first = live_layers[0]
             return self.logits(self.run_layers(streams[first], first, self.n_layers, linear,
-                                               live_layers, remat=remat_layers))
+                                               live_layers, remat=remat_layers,
+                                               saves=site_layer_saves))
 
         return prefix, suffix
 

@@ -48,6 +48,10 @@ class NonFiniteLoss(FloatingPointError):
     """Training produced a NaN or an infinity; what was checkpointed before it is intact."""
 
 
+# The site-layer saves that keep less than each (a refusal's hint; pdecomp.llama).
+LIGHTER_SAVES = {"linears": "sites or nothing", "sites": "nothing"}
+
+
 class GateRefused(RuntimeError):
     def __init__(self, report: dict[str, Any]):
         self.report = report
@@ -60,6 +64,10 @@ class GateRefused(RuntimeError):
         if "fit" not in report and report.get("microbatches", most) < most:
             why += (f"; up to {most} microbatches would hold fewer activations "
                     "(gate.fit=microbatches finds the fewest that fit)")
+        lighter = LIGHTER_SAVES.get(report.get("site_layer_saves"))
+        if "fit" not in report and lighter:
+            why += (f"; memory.site_layer_saves={lighter} would keep fewer of the site layers' "
+                    "activations, at more FLOPs")
         super().__init__(f"gate refused: {why}")
 
 
@@ -413,9 +421,12 @@ def gate(cfg: RunConfig, run_dir: Path, hooks: Hooks) -> Gated:
             hooks.log(f"gate.fit=microbatches: optim.microbatches={m}: {report['fit']['why']}")
     else:
         compiled, report = compile_at(cfg.data.batch_size)
-    # the most microbatches: one example per data-axis device in each (a refusal's hint)
+    # the most microbatches: one example per data-axis device in each, and what the
+    # rematerialized site layers keep (a refusal's hints)
     report.update(microbatches=cfg.optim.microbatches,
-                  max_microbatches=cfg.data.batch_size // mesh.shape[sharding.AXIS])
+                  max_microbatches=cfg.data.batch_size // mesh.shape[sharding.AXIS],
+                  site_layer_saves=cfg.memory.site_layer_saves if cfg.memory.remat_layers
+                  else None)
     write_json(run_dir / "gate.json", report)
     if hooks.on_gate:
         hooks.on_gate(report)

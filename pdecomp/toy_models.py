@@ -39,9 +39,9 @@ class TMS(eqx.Module):
             h = linear(name, h, H)
         return jax.nn.relu(linear("linear2", h, self.W.T) + self.b)
 
-    def split(self, sites: Sequence[str], dtype: Any, remat_layers: bool = False
-              ) -> tuple[Callable, Callable]:
-        del sites, remat_layers
+    def split(self, sites: Sequence[str], dtype: Any, remat_layers: bool = False,
+              site_layer_saves: str = "linears") -> tuple[Callable, Callable]:
+        del sites, remat_layers, site_layer_saves
         return _whole_forward(self, dtype)
 
     def _hidden_names(self) -> list[str]:
@@ -69,9 +69,9 @@ class ResidMLP(eqx.Module):
             resid = resid + linear(f"layers.{i}.mlp_out", h, self.W_out[i]) + self.b_out[i]
         return resid @ self.W_E.T
 
-    def split(self, sites: Sequence[str], dtype: Any, remat_layers: bool = False
-              ) -> tuple[Callable, Callable]:
-        del sites, remat_layers
+    def split(self, sites: Sequence[str], dtype: Any, remat_layers: bool = False,
+              site_layer_saves: str = "linears") -> tuple[Callable, Callable]:
+        del sites, remat_layers, site_layer_saves
         return _whole_forward(self, dtype)
 
     def site_weights(self) -> dict[str, Array]:

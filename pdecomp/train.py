@@ -100,6 +100,7 @@ class StepSpec:
     microbatches: int
     stream_ci: bool
     remat_layers: bool
+    site_layer_saves: str
 
     @staticmethod
     def from_config(cfg: RunConfig) -> StepSpec:
@@ -116,7 +117,7 @@ class StepSpec:
                         lo.beta, lo.eps, cfg.optim.steps, cfg.memory.compute_dtype,
                         cfg.memory.remat, tuple(cfg.memory.remat_names),
                         cfg.optim.microbatches, cfg.memory.stream_ci,
-                        cfg.memory.remat_layers)
+                        cfg.memory.remat_layers, cfg.memory.site_layer_saves)
 
 
 _cp = jax.checkpoint_policies
@@ -434,7 +435,8 @@ class Pass:
         self.plan, self.spec, self.state, self.batch = plan, plan.spec, state, batch
         self.n_micro = plan.spec.microbatches
         self.prefix, self.suffix = target.split(self.spec.sites, plan.dtype,
-                                                self.spec.remat_layers)
+                                                self.spec.remat_layers,
+                                                self.spec.site_layer_saves)
         self.weights = target.site_weights()
         self.p = losses.p_at(state.step, self.spec.total_steps, *self.spec.p)
         # With one microbatch the clean forward runs once and every pass reads it.

@@ -26,6 +26,7 @@ from pdecomp.config import (
 )
 from pdecomp.hardware import GPUS
 from pdecomp.kinds import KINDS, kind_of, site_names_of, tied_sites
+from pdecomp.llama import SITE_LAYER_SAVES
 from pdecomp.losses import DISTANCES
 from pdecomp.masks import PLANS, ROUTINGS, SOURCES
 from pdecomp.train import PGD_OPTIMIZERS, PGD_SCOPES, REMAT, SCHEDULES, TIE_UPDATES
@@ -266,6 +267,7 @@ def _validate_memory_and_gate(cfg: RunConfig) -> None:
     _choice("memory.target_dtype", mem.target_dtype, DTYPES)
 
     _choice("memory.remat", mem.remat, REMAT)
+    _choice("memory.site_layer_saves", mem.site_layer_saves, SITE_LAYER_SAVES)
     for name in mem.remat_names:
         _choice("memory.remat_names", name, REMAT_NAMES)
     g = cfg.gate

@@ -62,8 +62,8 @@ class Linear(eqx.Module):
     def site_weights(self) -> dict[str, Array]:
         return {"proj": self.W}
 
-    def split(self, sites: Sequence[str], dtype: Any, remat_layers: bool = False
-              ) -> tuple[Callable, Callable]:
+    def split(self, sites: Sequence[str], dtype: Any, remat_layers: bool = False,
+              site_layer_saves: str = "linears") -> tuple[Callable, Callable]:
         return (lambda x: x.astype(dtype)), lambda x, linear, streams=None, live=None: self(
             x, linear)
 

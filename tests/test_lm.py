@@ -333,6 +333,18 @@ def test_remat_policies_keep_the_numbers(setup, step, remat):
         assert float(got[k]) == pytest.approx(float(ref[k]), rel=1e-5), (remat, k)
 
 
+@pytest.mark.slow  # 10-25 s each: outside the quick tier (make test-fast)
+@pytest.mark.parametrize("saves", ["linears", "sites", "nothing"])
+def test_site_layer_saves_keep_the_numbers(setup, step, saves):
+    """Scanned site layers rematerialized with each policy give the step without remat."""
+    cfg, target, state = setup
+    ref = step(state, target, tokens(cfg))[1]
+    got = jax.jit(make_train_step(tiny_cfg(remat_layers=True, site_layer_saves=saves)))(
+        state, target, tokens(cfg))[1]
+    for k in ("loss/total", "loss/recon_chunkwise", "loss/pgd", "train/grad_norm/components"):
+        assert float(got[k]) == pytest.approx(float(ref[k]), rel=1e-5), (saves, k)
+
+
 SCRIPT = textwrap.dedent("""
     import json, dataclasses as dc
     import jax, numpy as np

@@ -159,7 +159,7 @@ def test_microbatch_size_refusals_name_the_key(overrides, key):
     assert e.value.key == key, str(e.value)
 
 
-def test_a_refusal_says_when_more_microbatches_would_hold_less():
+def test_a_refusal_names_what_would_hold_less():
     from pdecomp.run import GateRefused
 
     report = {"peak_bytes": 200 * 2**30, "cap_bytes": 160 * 2**30, "fits": False}
@@ -167,3 +167,9 @@ def test_a_refusal_says_when_more_microbatches_would_hold_less():
     assert hint in str(GateRefused({**report, "microbatches": 16, "max_microbatches": 32}))
     assert "microbatches" not in str(GateRefused({**report, "microbatches": 32,
                                                   "max_microbatches": 32}))
+    saves = "memory.site_layer_saves={} would keep fewer"
+    assert saves.format("sites or nothing") in str(GateRefused(
+        {**report, "site_layer_saves": "linears"}))
+    assert saves.format("nothing") in str(GateRefused({**report, "site_layer_saves": "sites"}))
+    for last in ("nothing", None):  # nothing lighter, or the layers not rematerialized
+        assert "site_layer_saves" not in str(GateRefused({**report, "site_layer_saves": last}))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from launcher import app
-from pdecomp import ci, hardware, losses, masks, train
+from pdecomp import ci, hardware, llama, losses, masks, train
 from pdecomp.config import ConfigError, RunConfig
 from pdecomp.validation import validate
 
@@ -43,6 +43,7 @@ CHOICES = [
     (masks.ROUTINGS, "loss.recon.chunkwise.routing", _llama),
     (losses.DISTANCES, "loss.distance", None),
     (train.REMAT, "memory.remat", RunConfig),
+    (llama.SITE_LAYER_SAVES, "memory.site_layer_saves", RunConfig),
     (train.SCHEDULES, "optim.components.schedule", RunConfig),
     (train.PGD_SCOPES, "loss.pgd.scope", _llama),
     (train.PGD_OPTIMIZERS, "loss.pgd.optimizer", _llama),
