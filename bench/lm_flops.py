@@ -143,13 +143,14 @@ def traced_count(cfg) -> int:
 
     from pdecomp import gate, run, sharding
     from pdecomp.kinds import kind_of
-    from pdecomp.train import make_train_step
+    from pdecomp.train import StepSpec, make_train_step
 
     target, state = run.abstract_run(cfg, jax.random.PRNGKey(cfg.seed))
     mesh = sharding.make_mesh(cfg)
-    batch = kind_of(cfg.model).batch_abstract(cfg, cfg.data.batch_size,
+    batch = kind_of(cfg.model).batch_abstract(cfg.model, cfg.data, cfg.data.batch_size,
                                               NamedSharding(mesh, P(sharding.AXIS)))
-    return gate.matmul_flops(jax.jit(make_train_step(cfg)).trace(state, target, batch).jaxpr)
+    spec = StepSpec.from_config(cfg)
+    return gate.matmul_flops(jax.jit(make_train_step(spec)).trace(state, target, batch).jaxpr)
 
 
 def main(overrides: list[str]) -> None:

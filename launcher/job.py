@@ -264,7 +264,7 @@ def print_findings(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> No
     from pdecomp.metrics import EVAL_KINDS
 
     table = Table(title=f"{cfg.name}: what SPD found")
-    sites = site_C(cfg)
+    sites = site_C(cfg.model, cfg.layers)
     # the kind's per-site metrics: those the summary has for some site
     extra = [(col, key, spec) for col, key, spec in FINDINGS_COLUMNS
              if any(f"{key}/{s}" in summary for s in sites)]

@@ -115,7 +115,7 @@ def _batch_reduce(threshold: float, top_k: int) -> Callable:
 def reads_tokens(run: Run) -> bool:
     """A language model's run: analysed on held-out token windows, with top-k contexts; a
     toy's on sampled inputs, with each feature's CI."""
-    return kind_of(run.config.model).tokens_per_example(run.config) > 0
+    return kind_of(run.config.model).tokens_per_example(run.config.data) > 0
 
 
 def _lm_windows(run: Run, windows: int, batch_size: int) -> Iterator[np.ndarray]:

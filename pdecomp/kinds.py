@@ -19,7 +19,9 @@ from jaxtyping import Array
 
 from pdecomp.config import (
     ConfigError,
+    DataConfig,
     DataSource,
+    LayersConfig,
     ModelConfig,
     RunConfig,
     check_positive,
@@ -65,7 +67,7 @@ class Kind:
     def preflight(self, cfg: RunConfig) -> None:
         """Checks that read files the job needs (a checkpoint's tensors, the token stream)."""
 
-    def tied_sites(self, cfg: RunConfig) -> dict[str, str]:
+    def tied_sites(self, model: ModelConfig, layers: LayersConfig) -> dict[str, str]:
         """follower -> leader for the decomposed sites whose weights the target ties."""
         return {}
 
@@ -87,16 +89,16 @@ class Kind:
         """What a trained target that passes `check_target` does, for a refusal's line."""
         return "passes its check"
 
-    def positions(self, cfg: RunConfig, batch_size: int) -> tuple[int, ...]:
+    def positions(self, data: DataConfig, batch_size: int) -> tuple[int, ...]:
         """The leading (position) shape of a batch's site inputs."""
         return (batch_size,)
 
-    def tokens_per_example(self, cfg: RunConfig) -> int:
+    def tokens_per_example(self, data: DataConfig) -> int:
         """Tokens in one example (0: its inputs are not tokens)."""
         return 0
 
-    def batch_abstract(self, cfg: RunConfig, batch_size: int, sharding: NamedSharding
-                       ) -> jax.ShapeDtypeStruct:
+    def batch_abstract(self, model: ModelConfig, data: DataConfig, batch_size: int,
+                       sharding: NamedSharding) -> jax.ShapeDtypeStruct:
         """One batch as a shape, split by `sharding`."""
         raise NotImplementedError
 
@@ -152,13 +154,12 @@ def site_names_of(model: ModelConfig) -> tuple[str, ...]:
     return kind_of(model).site_names(model)
 
 
-def tied_sites(cfg: RunConfig) -> dict[str, str]:
+def tied_sites(model: ModelConfig, layers: LayersConfig) -> dict[str, str]:
     """follower -> leader for the decomposed sites whose weights the target ties."""
-    return kind_of(cfg.model).tied_sites(cfg)
+    return kind_of(model).tied_sites(model, layers)
 
 
-def site_C(cfg: RunConfig) -> dict[str, int]:
+def site_C(model: ModelConfig, layers: LayersConfig) -> dict[str, int]:
     """Components per decomposed site, in the target's canonical site order."""
-    chosen = set(cfg.layers.sites)
-    return {s: cfg.layers.C_per_site.get(s, cfg.layers.C)
-            for s in site_names_of(cfg.model) if s in chosen}
+    chosen = set(layers.sites)
+    return {s: layers.C_per_site.get(s, layers.C) for s in site_names_of(model) if s in chosen}

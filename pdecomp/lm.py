@@ -23,7 +23,9 @@ from pdecomp.config import (
     LLAMA_ATTN,
     LLAMA_MLP,
     ConfigError,
+    DataConfig,
     DataSource,
+    LayersConfig,
     LlamaModelConfig,
     ModelConfig,
     RunConfig,
@@ -33,19 +35,19 @@ from pdecomp.config import (
 from pdecomp.kinds import Kind, site_C
 
 
-def covered(cfg: RunConfig) -> str:
+def covered(model: ModelConfig, layers: LayersConfig) -> str:
     """Which of the model's layers the sites are in, and C: a preset made for another
     model (llama_tiny's layers 1-3 at C = 64 on a 30-layer model) says so at the start."""
-    layers = sorted({int(s.split(".")[1]) for s in cfg.layers.sites})
-    Cs = sorted(set(site_C(cfg).values()))
-    runs, start = [], layers[0]
-    for a, b in zip(layers, [*layers[1:], None]):
+    hooked = sorted({int(s.split(".")[1]) for s in layers.sites})
+    Cs = sorted(set(site_C(model, layers).values()))
+    runs, start = [], hooked[0]
+    for a, b in zip(hooked, [*hooked[1:], None]):
         if b != a + 1:
             runs.append(f"{start}" if start == a else f"{start}-{a}")
             start = b
-    which = f"layer{'s' * (len(layers) > 1)} {', '.join(runs)}"
-    return (f"decomposing {len(cfg.layers.sites)} sites in {which} of its "
-            f"{n_layers(cfg.model)}, C = {'/'.join(map(str, Cs))} per site")
+    which = f"layer{'s' * (len(hooked) > 1)} {', '.join(runs)}"
+    return (f"decomposing {len(layers.sites)} sites in {which} of its "
+            f"{n_layers(model)}, C = {'/'.join(map(str, Cs))} per site")
 
 
 def n_layers(model: ModelConfig) -> int:
@@ -175,16 +177,15 @@ class LlamaKind(Kind):
     def trained_means(self, model: ModelConfig) -> str:
         return "learns the synthetic language"
 
-    def positions(self, cfg: RunConfig, batch_size: int) -> tuple[int, ...]:
-        return (batch_size, cfg.data.seq_len)
+    def positions(self, data: DataConfig, batch_size: int) -> tuple[int, ...]:
+        return (batch_size, data.seq_len)
 
-    def tokens_per_example(self, cfg: RunConfig) -> int:
-        return cfg.data.seq_len
+    def tokens_per_example(self, data: DataConfig) -> int:
+        return data.seq_len
 
-    def batch_abstract(self, cfg: RunConfig, batch_size: int, sharding: NamedSharding
-                       ) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct((batch_size, cfg.data.seq_len), jnp.int32,
-                                    sharding=sharding)
+    def batch_abstract(self, model: ModelConfig, data: DataConfig, batch_size: int,
+                       sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((batch_size, data.seq_len), jnp.int32, sharding=sharding)
 
     def batch_sampler(self, cfg: RunConfig, sharding: NamedSharding, key: Array,
                       held_out: bool = False) -> Callable[[int], Array]:
@@ -202,7 +203,7 @@ class LlamaKind(Kind):
         language and cached like a toy, or (no training steps) random weights made in place."""
         m, dtype = cfg.model, jnp.dtype(cfg.memory.target_dtype)
         if m.path:
-            log(f"loading {m.path} ({cfg.memory.target_dtype}); {covered(cfg)}")
+            log(f"loading {m.path} ({cfg.memory.target_dtype}); {covered(m, cfg.layers)}")
             return llama.load_hf(m.path, dtype, shardings), {"path": m.path}
         if m.train_steps:
             target, meta = targets.load_shared_target(m, log)

@@ -30,7 +30,13 @@ from pdecomp.checkpoint import Checkpointer, UnreadableCheckpoint
 from pdecomp.components import with_tied
 from pdecomp.config import EVAL_SEED_OFFSET, ConfigError, RunConfig
 from pdecomp.kinds import kind_of, tied_sites
-from pdecomp.train import TrainState, faithfulness_warmup, init_state, make_train_step
+from pdecomp.train import (
+    StepSpec,
+    TrainState,
+    faithfulness_warmup,
+    init_state,
+    make_train_step,
+)
 from pdecomp.units import GiB, fmt_bytes
 from pdecomp.validation import validate
 
@@ -161,7 +167,7 @@ def gate_cap(cfg: RunConfig, mesh: Mesh) -> tuple[int, str, dict[str, Any] | Non
     the allocator settings are a GPU's)."""
     mem = cfg.memory
     usable = hardware.usable_memory(mem.safety_fraction)
-    deviceless = sharding.is_deviceless(cfg)
+    deviceless = sharding.is_deviceless(cfg.gate)
     gpu = deviceless or mesh.devices.flat[0].platform == "gpu"
     if mem.hbm_cap_gib <= 0 and deviceless:
         spec = hardware.GPUS[cfg.gate.target]
@@ -182,7 +188,7 @@ def gate_cap(cfg: RunConfig, mesh: Mesh) -> tuple[int, str, dict[str, Any] | Non
 def target_name(cfg: RunConfig, mesh: Mesh) -> str:
     device = mesh.devices.flat[0]
     hosts = len({d.process_index for d in mesh.devices.flat})
-    where = "deviceless" if sharding.is_deviceless(cfg) else "local"
+    where = "deviceless" if sharding.is_deviceless(cfg.gate) else "local"
     return f"{where} {device.device_kind} x {mesh.size} ({hosts} host{'s' * (hosts > 1)})"
 
 
@@ -192,9 +198,9 @@ def preflight(cfg: RunConfig, run_dir: str | Path | None = None) -> None:
     state this config builds."""
     # The allocator settings of the environment, before jax's GPU client would refuse them.
     hardware.usable_memory(cfg.memory.safety_fraction)
-    validate(cfg, n_devices=None if sharding.is_deviceless(cfg) else len(jax.devices()))
-    sharding.check_target(cfg)
-    if not sharding.is_deviceless(cfg):
+    validate(cfg, n_devices=None if sharding.is_deviceless(cfg.gate) else len(jax.devices()))
+    sharding.check_target(cfg.gate)
+    if not sharding.is_deviceless(cfg.gate):
         sharding.make_mesh(cfg)  # its checks: every process of the job has devices in it
     kind_of(cfg.model).preflight(cfg)
     if run_dir is not None and not cfg.gate.only:
@@ -275,7 +281,8 @@ def abstract_run(cfg: RunConfig, key: Array) -> tuple[Any, TrainState]:
     """The target and the training state as shapes: nothing allocated, nothing trained."""
     target_abs = jax.eval_shape(lambda k: kind_of(cfg.model).init_target(
         k, cfg.model, jnp.dtype(cfg.memory.target_dtype)), key)
-    return target_abs, jax.eval_shape(lambda k, t: init_state(k, cfg, t), key, target_abs)
+    spec = StepSpec.from_config(cfg)
+    return target_abs, jax.eval_shape(lambda k, t: init_state(k, spec, t), key, target_abs)
 
 
 def load_target(cfg: RunConfig, target_abs: Any, log: Callable[[str], None]
@@ -288,9 +295,10 @@ def load_target(cfg: RunConfig, target_abs: Any, log: Callable[[str], None]
 class Gated:
     """What the gate leaves for training: the mesh and shardings, the abstract target and
     state, the compiled step and its report, and the config it was compiled for (its batch
-    size the one gate.fit=batch chose)."""
+    size the one gate.fit=batch chose) with the step's part of it resolved."""
 
     cfg: RunConfig
+    spec: StepSpec
     mesh: Mesh
     batch_sharding: NamedSharding
     target_abs: Any
@@ -309,7 +317,7 @@ def decompose(cfg: RunConfig, run_dir: str | Path, hooks: Hooks | None = None) -
     again in `run_dir` resumes from it."""
     hooks = hooks or Hooks()
     run_dir = Path(run_dir)
-    cfg = sharding.with_microbatch_size(cfg, None if sharding.is_deviceless(cfg)
+    cfg = sharding.with_microbatch_size(cfg, None if sharding.is_deviceless(cfg.gate)
                                         else len(jax.devices()))
     preflight(cfg, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -359,7 +367,7 @@ def gate(cfg: RunConfig, run_dir: Path, hooks: Hooks) -> Gated:
     # The batch split on the data axis; target and state split on it too (mesh.shard_state,
     # FSDP) or replicated.
     mesh = sharding.make_mesh(cfg)
-    layout = sharding.make_layout(cfg, mesh)
+    layout = sharding.make_layout(cfg.mesh, mesh)
     init_key, data_key = jax.random.split(jax.random.PRNGKey(cfg.seed))
     target_abs, state_abs = abstract_run(cfg, init_key)
     target_abs = sharding.place(target_abs, layout)
@@ -370,13 +378,14 @@ def gate(cfg: RunConfig, run_dir: Path, hooks: Hooks) -> Gated:
     cap, cap_source, memory_env = gate_cap(cfg, mesh)
     # Host-memory (offload) buffers are not told apart in XLA's dump: offload compiles whole.
     detach = (hooks.detach_gate and cfg.gate.only and cfg.gate.fit == "none"
-              and sharding.is_deviceless(cfg) and cfg.memory.remat != "offload")
+              and sharding.is_deviceless(cfg.gate) and cfg.memory.remat != "offload")
     where = {"cap_bytes": cap, "cap_source": cap_source, "target": target_name(cfg, mesh),
              "mesh": dict(mesh.shape)}
     extra = {"memory_env": memory_env} if memory_env else {}
 
     def batch_at(batch_size: int) -> jax.ShapeDtypeStruct:
-        return kind_of(cfg.model).batch_abstract(cfg, batch_size, batch_sharding)
+        return kind_of(cfg.model).batch_abstract(cfg.model, cfg.data, batch_size,
+                                                 batch_sharding)
 
     def parts_at(batch_size: int) -> dict[str, int]:
         return argument_parts(cfg, target_abs, state_abs, batch_at(batch_size))
@@ -390,12 +399,13 @@ def gate(cfg: RunConfig, run_dir: Path, hooks: Hooks) -> Gated:
 
     def compile_at(batch_size: int, c: RunConfig = cfg):
         compiled, report = gate_lib.compile_and_report(
-            make_train_step(c, layout), (state_abs, target_abs, batch_at(batch_size)),
+            make_train_step(StepSpec.from_config(c), layout),
+            (state_abs, target_abs, batch_at(batch_size)),
             donate_argnums=(0,) if cfg.memory.donate else (),
             out_shardings=(sharding.shardings(state_abs), NamedSharding(mesh, P())),
             parts=parts_at(batch_size), top_temps=cfg.gate.top_temps, detach=detach, **where)
         report.update(batch_size=batch_size, **extra)
-        if cfg.memory.offload_opt_state and sharding.is_deviceless(cfg):
+        if cfg.memory.offload_opt_state and sharding.is_deviceless(cfg.gate):
             # Compile-only devices have no host memory space: jax drops the memory kind.
             report["note"] = ("memory.offload_opt_state: a deviceless compile has no host "
                               "memory, so the optimizer moments count as device arguments "
@@ -415,7 +425,7 @@ def gate(cfg: RunConfig, run_dir: Path, hooks: Hooks) -> Gated:
 
         m, compiled, report = gate_lib.fit_microbatches(
             lambda m: compile_at(cfg.data.batch_size, with_micro(m)),
-            sharding.microbatch_counts(cfg, mesh.shape[sharding.AXIS]))
+            sharding.microbatch_counts(cfg.data.batch_size, mesh.shape[sharding.AXIS]))
         cfg = with_micro(m)
         if report["fits"]:
             hooks.log(f"gate.fit=microbatches: optim.microbatches={m}: {report['fit']['why']}")
@@ -432,8 +442,8 @@ def gate(cfg: RunConfig, run_dir: Path, hooks: Hooks) -> Gated:
         hooks.on_gate(report)
     if not report["fits"]:
         raise GateRefused(report)
-    return Gated(cfg, mesh, batch_sharding, target_abs, state_abs, compiled, report,
-                 init_key, data_key)
+    return Gated(cfg, StepSpec.from_config(cfg), mesh, batch_sharding, target_abs, state_abs,
+                 compiled, report, init_key, data_key)
 
 
 def argument_parts(cfg: RunConfig, target_abs: Any, state_abs: TrainState, batch_abs: Any
@@ -459,9 +469,9 @@ def initial_state(cfg: RunConfig, g: Gated, target: Any, ckpt: Checkpointer,
         return state, start
     # The target goes in as an argument: closed over, it would be copied into the program
     # as a constant, which a target split across processes cannot be.
-    state = jax.jit(lambda k, t: init_state(k, cfg, t),
+    state = jax.jit(lambda k, t: init_state(k, g.spec, t),
                     out_shardings=sharding.shardings(g.state_abs))(g.init_key, target)
-    components = jax.jit(lambda c, t: faithfulness_warmup(cfg, c, t),
+    components = jax.jit(lambda c, t: faithfulness_warmup(g.spec, c, t),
                          out_shardings=sharding.shardings(g.state_abs.components))(
         state.components, target)
     return eqx.tree_at(lambda s: s.components, state, components), 0
@@ -544,7 +554,7 @@ class MetricsLog:
         n_steps = done - max(self.history[-1]["step"] if self.history else 0, self.start)
         last["perf/step_s"] = (now - self.t_log) / n_steps
         last["perf/examples_per_s"] = cfg.data.batch_size / last["perf/step_s"]
-        if tokens := kind_of(cfg.model).tokens_per_example(cfg):
+        if tokens := kind_of(cfg.model).tokens_per_example(cfg.data):
             last["perf/tokens_per_s"] = last["perf/examples_per_s"] * tokens
         self.t_log = now
         last["hbm/predicted_peak_gib"] = g.report["peak_bytes"] / GiB
@@ -597,8 +607,9 @@ def evaluate(cfg: RunConfig, target, state: Learned | TrainState, batch_sharding
     sample = kind.batch_sampler(micro, batch_sharding, eval_key, held_out=True)
     batches = [sample(i) for i in range(cfg.data.eval_batches * n)]
     replicated = NamedSharding(batch_sharding.mesh, P())
-    target, components, ci_fn = kind.for_evaluation(
-        (target, with_tied(state.components, tied_sites(cfg)), state.ci_fn), replicated)
+    components = with_tied(state.components, tied_sites(cfg.model, cfg.layers))
+    target, components, ci_fn = kind.for_evaluation((target, components, state.ci_fn),
+                                                    replicated)
     ci = metrics.ci_summary(target, components, ci_fn, batches, cfg.loss.ci_threshold,
                             replicated)
     summary: dict[str, Any] = {}

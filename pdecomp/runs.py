@@ -93,7 +93,8 @@ def load_run(run_dir: str | Path, log: Callable[[str], None] = print) -> Run:
         ckpt.close()
     target, _ = load_target(cfg, target_abs, log)
     return Run(run_dir=run_dir, config=cfg, target=target,
-               components=with_tied(state.components, tied_sites(cfg)), ci_fn=state.ci_fn,
+               components=with_tied(state.components, tied_sites(cfg.model, cfg.layers)),
+               ci_fn=state.ci_fn,
                state=state, step=step, mesh=mesh,
                history=_read_json(run_dir / "history.json") or [],
                summary=_read_json(run_dir / "summary.json"),

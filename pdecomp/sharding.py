@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
 from pdecomp import hardware
-from pdecomp.config import ConfigError, RunConfig
+from pdecomp.config import ConfigError, GateConfig, MeshConfig, RunConfig
 
 AXIS = "data"
 MODEL = "model"
@@ -90,8 +90,9 @@ class Layout:
         return self.constrain(x, ("batch", *(None,) * (x.ndim - 2), "comp"))
 
 
-def make_layout(cfg: RunConfig, mesh: Mesh) -> Layout:
-    return Layout(mesh, dict(cfg.mesh.rules), cfg.mesh.shard_state)
+def make_layout(plan: MeshConfig, mesh: Mesh) -> Layout:
+    """The layout `mesh.rules` and `mesh.shard_state` ask for on `mesh`."""
+    return Layout(mesh, dict(plan.rules), plan.shard_state)
 
 
 def data_axis(cfg: RunConfig, n_devices: int | None) -> int | None:
@@ -129,31 +130,31 @@ def with_microbatch_size(cfg: RunConfig, n_devices: int | None) -> RunConfig:
     return dc.replace(cfg, optim=dc.replace(cfg.optim, microbatches=m))
 
 
-def microbatch_counts(cfg: RunConfig, axis: int) -> list[int]:
+def microbatch_counts(batch_size: int, axis: int) -> list[int]:
     """The microbatch counts a batch can be split into on a data axis of `axis` devices:
     each microbatch a whole number of examples on every device."""
-    per_device = cfg.data.batch_size // axis
+    per_device = batch_size // axis
     return [m for m in range(1, per_device + 1) if per_device % m == 0]
 
 
-def is_deviceless(cfg: RunConfig) -> bool:
+def is_deviceless(gate: GateConfig) -> bool:
     """A named GPU target on a host without GPUs: compile for it, run nothing."""
-    return cfg.gate.target != "local" and jax.default_backend() != "gpu"
+    return gate.target != "local" and jax.default_backend() != "gpu"
 
 
-def check_target(cfg: RunConfig) -> None:
+def check_target(gate: GateConfig) -> None:
     """A GPU this job does not have can be compiled for (given the compile plugin), not
     trained on."""
-    if not is_deviceless(cfg):
+    if not is_deviceless(gate):
         return
-    if not cfg.gate.only:
-        raise ConfigError("gate.target", cfg.gate.target,
-                          f"this job has no {cfg.gate.target}: add gate.only=true to gate for "
+    if not gate.only:
+        raise ConfigError("gate.target", gate.target,
+                          f"this job has no {gate.target}: add gate.only=true to gate for "
                           "it from here, or use gate.target=local to train")
     try:
         hardware.ensure_gpu_compile()
     except hardware.GpuCompileUnavailable as e:
-        raise ConfigError("gate.target", cfg.gate.target, str(e)) from None
+        raise ConfigError("gate.target", gate.target, str(e)) from None
 
 
 def make_mesh(cfg: RunConfig) -> Mesh:
@@ -164,7 +165,7 @@ def make_mesh(cfg: RunConfig) -> Mesh:
     given, else the most devices that divide the batch (times the model axis).
     """
     me = cfg.mesh
-    if is_deviceless(cfg):  # preflight's check_target made the compile plugin available
+    if is_deviceless(cfg.gate):  # preflight's check_target made the compile plugin available
         total = me.hosts * max(me.gpus_per_host, 1)
         return hardware.topology_mesh(cfg.gate.target, me.hosts, max(me.gpus_per_host, 1),
                                       ((AXIS, total // me.model), (MODEL, me.model)))

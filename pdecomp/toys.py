@@ -17,7 +17,15 @@ from jax.sharding import NamedSharding
 from jaxtyping import Array, PRNGKeyArray
 
 from pdecomp import metrics, plots, sharding, targets, toy_models
-from pdecomp.config import ConfigError, ModelConfig, ResidMLPConfig, RunConfig, TMSConfig
+from pdecomp.config import (
+    ConfigError,
+    DataConfig,
+    LayersConfig,
+    ModelConfig,
+    ResidMLPConfig,
+    RunConfig,
+    TMSConfig,
+)
 from pdecomp.kinds import Kind, kind_of
 
 _TRAIN_CHUNK = 500  # steps per compiled scan of a toy's training
@@ -88,9 +96,9 @@ class ToyKind(Kind):
     def trained_means(self, model: ModelConfig) -> str:
         return f"represents all {model.n_features} features"
 
-    def batch_abstract(self, cfg: RunConfig, batch_size: int, sharding: NamedSharding
-                       ) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct((batch_size, cfg.model.n_features), jnp.float32,
+    def batch_abstract(self, model: ModelConfig, data: DataConfig, batch_size: int,
+                       sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((batch_size, model.n_features), jnp.float32,
                                     sharding=sharding)
 
     def batch_sampler(self, cfg: RunConfig, sharding: NamedSharding, key: Array,
@@ -141,10 +149,10 @@ class TMSKind(ToyKind):
                        for i in range(model.n_hidden_layers))
         return ("linear1", *hidden, "linear2")
 
-    def tied_sites(self, cfg: RunConfig) -> dict[str, str]:
+    def tied_sites(self, model: ModelConfig, layers: LayersConfig) -> dict[str, str]:
         # linear2 computes with W's transpose: its components are linear1's, transposed
-        chosen = set(cfg.layers.sites)
-        return ({"linear2": "linear1"} if cfg.layers.tie and {"linear1", "linear2"} <= chosen
+        chosen = set(layers.sites)
+        return ({"linear2": "linear1"} if layers.tie and {"linear1", "linear2"} <= chosen
                 else {})
 
     def evaluate(self, cfg: RunConfig, target: Any, components: Any, ci_fn: Any,

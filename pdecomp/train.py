@@ -37,7 +37,7 @@ from pdecomp.components import (
     weight_deltas,
     with_tied,
 )
-from pdecomp.config import OptGroupConfig, PGDConfig, RunConfig
+from pdecomp.config import LayersConfig, OptGroupConfig, OptimConfig, PGDConfig, RunConfig
 from pdecomp.kinds import kind_of, site_C, tied_sites
 from pdecomp.masks import (
     Plan,
@@ -80,10 +80,15 @@ class ReconTerm:
 
 @dataclass(frozen=True)
 class StepSpec:
-    """The static (hashable) part of a step, derived from a RunConfig."""
+    """What training reads of a run, resolved once from its RunConfig: the decomposed
+    sites, the method, the optimizers' settings and the memory plan. Everything in this
+    module takes it, not the config."""
 
     sites: tuple[str, ...]
+    C: tuple[int, ...]  # components per site, in the order of `sites`
     tied: tuple[tuple[str, str], ...]  # (follower, leader)
+    tie_update: str
+    ci: LayersConfig  # the CI function's settings (`layers.ci_*`)
     delta: bool
     recon: tuple[ReconTerm, ...]
     pgd: PGDConfig | None  # None: off
@@ -101,23 +106,35 @@ class StepSpec:
     stream_ci: bool
     remat_layers: bool
     site_layer_saves: str
+    offload_opt_state: bool
+    ci_threshold: float
+    positions: tuple[int, ...]  # a whole batch's positions (the adversary's sources)
+    optim: OptimConfig
 
     @staticmethod
     def from_config(cfg: RunConfig) -> StepSpec:
-        sites = tuple(site_C(cfg))
-        lo = cfg.loss
+        """The one place a step reads the config: every group of it."""
+        C = site_C(cfg.model, cfg.layers)
+        sites = tuple(C)
+        lo, mem = cfg.loss, cfg.memory
         recon = tuple(ReconTerm(n, t.coeff, make_plan(t.plan, sites, t.sites_per_chunk),
                                 t.source, t.routing) for n, t in lo.recon.items()
                       if t.coeff > 0)  # a zero coefficient switches a term off
-        tied = tuple(tied_sites(cfg).items())
-        return StepSpec(sites, tied, cfg.layers.delta, recon,
+        tied = tuple(tied_sites(cfg.model, cfg.layers).items())
+        return StepSpec(sites, tuple(C.values()), tied, cfg.layers.tie_update, cfg.layers,
+                        cfg.layers.delta, recon,
                         lo.pgd if lo.pgd.coeff > 0 else None, lo.distance,
                         lo.faithfulness_coeff, lo.imp_min_coeff,
                         (lo.p_start, lo.p_end, lo.p_anneal_start_frac, lo.p_anneal_end_frac),
-                        lo.beta, lo.eps, cfg.optim.steps, cfg.memory.compute_dtype,
-                        cfg.memory.remat, tuple(cfg.memory.remat_names),
-                        cfg.optim.microbatches, cfg.memory.stream_ci,
-                        cfg.memory.remat_layers, cfg.memory.site_layer_saves)
+                        lo.beta, lo.eps, cfg.optim.steps, mem.compute_dtype,
+                        mem.remat, tuple(mem.remat_names), cfg.optim.microbatches,
+                        mem.stream_ci, mem.remat_layers, mem.site_layer_saves,
+                        mem.offload_opt_state, lo.ci_threshold,
+                        kind_of(cfg.model).positions(cfg.data, cfg.data.batch_size), cfg.optim)
+
+    @property
+    def site_C(self) -> dict[str, int]:
+        return dict(zip(self.sites, self.C))
 
 
 _cp = jax.checkpoint_policies
@@ -203,10 +220,10 @@ class Optimizers(NamedTuple):
     ci_fn: optax.GradientTransformation
 
     @staticmethod
-    def from_config(cfg: RunConfig) -> Optimizers:
+    def of(optim: OptimConfig) -> Optimizers:
         """`optim.components` and `optim.ci_fn`: AdamW on their schedules, clipped."""
-        return Optimizers(optimizer(cfg.optim.components, cfg.optim.steps),
-                          optimizer(cfg.optim.ci_fn, cfg.optim.steps))
+        return Optimizers(optimizer(optim.components, optim.steps),
+                          optimizer(optim.ci_fn, optim.steps))
 
 
 def site_shapes(target) -> dict[str, tuple[int, int]]:
@@ -222,51 +239,51 @@ TIE_UPDATES: dict[str, Callable[[Components, dict[str, str]], Components]] = {
 }
 
 
-def optimized_components(cfg: RunConfig, components: Components) -> Components:
-    return TIE_UPDATES[cfg.layers.tie_update](components, tied_sites(cfg))
+def optimized_components(spec: StepSpec, components: Components) -> Components:
+    return TIE_UPDATES[spec.tie_update](components, dict(spec.tied))
 
 
-def apply_component_updates(cfg: RunConfig, components: Components,
+def apply_component_updates(spec: StepSpec, components: Components,
                             updates: Components) -> Components:
     """Optimizer updates (shaped like `optimized_components`) applied to the owned sites."""
-    return optax.apply_updates(components, fold_tied(updates, tied_sites(cfg)))
+    return optax.apply_updates(components, fold_tied(updates, dict(spec.tied)))
 
 
-def init_state(key: PRNGKeyArray, cfg: RunConfig, target,
+def init_state(key: PRNGKeyArray, spec: StepSpec, target,
                optimizers: Optimizers | None = None) -> TrainState:
     """Fresh components and CI function for `target`, and the moments of `optimizers` (the
-    config's when None; pure: usable under eval_shape)."""
-    opts = optimizers or Optimizers.from_config(cfg)
-    C = site_C(cfg)
+    spec's when None; pure: usable under eval_shape)."""
+    opts = optimizers or Optimizers.of(spec.optim)
+    C, tied = spec.site_C, dict(spec.tied)
     shapes = site_shapes(target)
     k_comp, k_ci, k_run = jax.random.split(key, 3)
-    own = {s: c for s, c in C.items() if s not in tied_sites(cfg)}  # followers own nothing
+    own = {s: c for s, c in C.items() if s not in tied}  # followers own nothing
     components = Components.init(k_comp, shapes, own)
-    ci_fn = CIFunction.init(k_ci, cfg.layers, {s: shapes[s][0] for s in C}, C)
+    ci_fn = CIFunction.init(k_ci, spec.ci, {s: shapes[s][0] for s in C}, C)
     adversary = None
-    if cfg.loss.pgd.coeff > 0:
+    if spec.pgd:
         k_run, k_adv = jax.random.split(k_run)
-        pos = kind_of(cfg.model).positions(cfg, cfg.data.batch_size)
         keys = jax.random.split(k_adv, len(C))
-        sources = {s: jax.random.uniform(k, pgd_source_shape(cfg.loss.pgd.scope, pos, c))
+        sources = {s: jax.random.uniform(k, pgd_source_shape(spec.pgd.scope, spec.positions,
+                                                             c))
                    for k, (s, c) in zip(keys, C.items())}
         adversary = Adversary(sources, _PGD_ADAM.init(sources))
     return TrainState(
         step=jnp.zeros((), jnp.int32), components=components, ci_fn=ci_fn,
-        comp_opt=opts.components.init(optimized_components(cfg, components)),
+        comp_opt=opts.components.init(optimized_components(spec, components)),
         ci_opt=opts.ci_fn.init(ci_fn), adversary=adversary,
         key=k_run)
 
 
-def faithfulness_warmup(cfg: RunConfig, components: Components, target) -> Components:
+def faithfulness_warmup(spec: StepSpec, components: Components, target) -> Components:
     """AdamW on faithfulness alone before step 0, so V@U starts near W; the optimizer is
     discarded afterwards."""
-    o = cfg.optim
+    o = spec.optim
     if o.faith_warmup_steps == 0:
         return components
     opt = optax.adamw(o.faith_warmup_lr, weight_decay=o.faith_warmup_weight_decay)
-    tied = tied_sites(cfg)
-    sites = set(site_C(cfg))
+    tied = dict(spec.tied)
+    sites = set(spec.sites)
     weights = {s: W for s, W in target.site_weights().items() if s in sites}
 
     def faith(comps, weights):
@@ -278,12 +295,12 @@ def faithfulness_warmup(cfg: RunConfig, components: Components, target) -> Compo
     def run(components, weights):
         def body(_, carry):
             comps, opt_state = carry
-            stepped = optimized_components(cfg, comps)
+            stepped = optimized_components(spec, comps)
             updates, opt_state = opt.update(jax.grad(faith)(stepped, weights), opt_state,
                                             stepped)
-            return apply_component_updates(cfg, comps, updates), opt_state
+            return apply_component_updates(spec, comps, updates), opt_state
 
-        init = opt.init(optimized_components(cfg, components))
+        init = opt.init(optimized_components(spec, components))
         comps, _ = jax.lax.fori_loop(0, o.faith_warmup_steps, body, (components, init))
         return comps
 
@@ -310,12 +327,11 @@ class Observed(NamedTuple):
 
 @dataclass(frozen=True)
 class StepPlan:
-    """What a step needs that its config fixes, resolved once before tracing: the static
-    spec, the two optimizers, the output distance, the compute dtype, the recon forwards'
+    """What a step needs that its spec fixes, made once before tracing: the spec, the two
+    optimizers, the output distance, the compute dtype, the recon forwards'
     remat policy, the adversary's learning rate, the tie map, and where the layout pins
     [*pos, C] tensors and the optimizer moments."""
 
-    cfg: RunConfig
     spec: StepSpec
     comp_opt: optax.GradientTransformation
     ci_opt: optax.GradientTransformation
@@ -329,12 +345,11 @@ class StepPlan:
     to_host: Callable
 
     @staticmethod
-    def resolve(cfg: RunConfig, layout: Layout | None = None,
+    def resolve(spec: StepSpec, layout: Layout | None = None,
                 optimizers: Optimizers | None = None) -> StepPlan:
-        spec = StepSpec.from_config(cfg)
-        opts = optimizers or Optimizers.from_config(cfg)
+        opts = optimizers or Optimizers.of(spec.optim)
         pin = layout.constrain_positions if layout is not None else (lambda x: x)
-        if cfg.memory.offload_opt_state:
+        if spec.offload_opt_state:
             if layout is None:
                 raise ValueError("memory.offload_opt_state needs the step's layout")
             to_device = partial(move, layout=layout, memory_kind=DEVICE)
@@ -342,18 +357,18 @@ class StepPlan:
         else:
             to_device = to_host = lambda tree: tree
         return StepPlan(
-            cfg, spec, opts.components, opts.ci_fn, losses.DISTANCES[spec.distance],
+            spec, opts.components, opts.ci_fn, losses.DISTANCES[spec.distance],
             jnp.dtype(spec.compute_dtype), remat_policy(spec.remat, spec.remat_names),
             pgd_lr(spec.pgd, spec.total_steps) if spec.pgd else None, dict(spec.tied), pin,
             to_device, to_host)
 
 
-def make_train_step(cfg: RunConfig, layout: Layout | None = None,
+def make_train_step(spec: StepSpec, layout: Layout | None = None,
                     optimizers: Optimizers | None = None) -> Callable:
-    """The pure train step for `cfg`: (state, target, batch) -> (state, metrics). With a
+    """The pure train step for `spec`: (state, target, batch) -> (state, metrics). With a
     `layout`, every [*pos, C] tensor is pinned to its batch-on-data, C-on-model sharding.
-    `optimizers` (the config's when None) must be those `init_state` was given."""
-    plan = StepPlan.resolve(cfg, layout, optimizers)
+    `optimizers` (the spec's when None) must be those `init_state` was given."""
+    plan = StepPlan.resolve(spec, layout, optimizers)
 
     def train_step(state: TrainState, target, batch: Array) -> tuple[TrainState, dict]:
         return step(plan, state, target, batch)
@@ -369,7 +384,7 @@ def step(plan: StepPlan, state: TrainState, target, batch: Array) -> tuple[Train
 
     # The weight deltas W − V@U are shared by every forward and by faithfulness: computed
     # once, their gradient summed over the microbatches, then pulled back through V@U.
-    stepped = optimized_components(plan.cfg, state.components)
+    stepped = optimized_components(spec, state.components)
     deltas, deltas_vjp = jax.vjp(
         lambda c: weight_deltas(ps.weights, with_tied(c, tied)), stepped)
     faith, g_faith = jax.value_and_grad(losses.faithfulness)(deltas)
@@ -412,7 +427,7 @@ def step(plan: StepPlan, state: TrainState, target, batch: Array) -> tuple[Train
     # moments come to the device only now, after the backward, and go back to the host.
     comp_moments, ci_moments = plan.to_device((state.comp_opt, state.ci_opt))
     upd, comp_state = plan.comp_opt.update(g_comp, comp_moments, stepped)
-    components = apply_component_updates(plan.cfg, state.components, upd)
+    components = apply_component_updates(spec, state.components, upd)
     upd, ci_state = plan.ci_opt.update(g_ci, ci_moments, state.ci_fn)
     ci_fn = optax.apply_updates(state.ci_fn, upd)
     comp_state, ci_state = plan.to_host((comp_state, ci_state))
@@ -513,7 +528,7 @@ class Pass:
         return self.plan.distance(out, obs.recon_target)
 
     def l0_of(self, lower: Array) -> Array:
-        threshold = self.plan.cfg.loss.ci_threshold
+        threshold = self.spec.ci_threshold
         return jnp.mean(jnp.sum(lower > threshold, axis=-1).astype(jnp.float32))
 
     def site_sums(self, ci_fn, features, components) -> tuple[dict, dict]:
@@ -550,7 +565,7 @@ def importance_over_batch(ps: Pass) -> tuple[Array, dict[str, Array]]:
         return jax.tree.map(jnp.add, acc, S)
 
     S = ps.over_microbatches(sums, {s: jnp.zeros((c,), jnp.float32)
-                                    for s, c in site_C(ps.plan.cfg).items()})
+                                    for s, c in spec.site_C.items()})
     return jax.value_and_grad(losses.importance_from_sums)(S, ps.n_pos, spec.beta)
 
 

@@ -87,7 +87,7 @@ def _validate_layers(cfg: RunConfig) -> None:
             raise ConfigError(f"layers.C_per_site.{s}", c, f"keys must be decomposed sites: "
                               f"{', '.join(lay.sites)}")
         check_positive(f"layers.C_per_site.{s}", c)
-    for follower, leader in tied_sites(cfg).items():
+    for follower, leader in tied_sites(cfg.model, cfg.layers).items():
         c_f, c_l = lay.C_per_site.get(follower, lay.C), lay.C_per_site.get(leader, lay.C)
         if c_f != c_l:
             raise ConfigError(f"layers.C_per_site.{follower}", c_f,

@@ -91,7 +91,7 @@ def test_a_new_kind_is_one_module_and_one_registry_entry(monkeypatch, tmp_path: 
     cfg = api.compose(["+experiment=tms_5-2", "model.kind=linear", "model.name=linear_5-8",
                        "model.d_hidden=8", "layers.sites=[proj]", "optim.steps=60",
                        "logging.plots=false", "logging.log_every=30"])
-    assert site_C(cfg) == {"proj": cfg.layers.C}
+    assert site_C(cfg.model, cfg.layers) == {"proj": cfg.layers.C}
     summary = api.run(cfg, tmp_path / "run", Hooks(log=lambda _: None))
     assert summary["steps"] == 60 and "live/proj" in summary and "l0/proj" in summary
     assert "mmcs/proj" not in summary  # no ground truth: the kind's evaluate adds nothing

@@ -12,7 +12,7 @@ import pytest
 from launcher.api import compose
 from pdecomp import losses
 from pdecomp.run import abstract_run
-from pdecomp.train import make_train_step
+from pdecomp.train import StepSpec, make_train_step
 
 D, F = 4096, 14336  # Llama-3.1-8B's d_embed and d_mlp
 
@@ -55,6 +55,7 @@ def test_the_8b_step_traces_with_13_mlp_layers():
                    "optim.microbatch_size=0", "mesh=single", "data.source=synthetic"])
     target, state = abstract_run(cfg, jax.random.PRNGKey(0))
     batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len), jnp.int32)
-    new_state, metrics = jax.eval_shape(make_train_step(cfg), state, target, batch)
+    spec = StepSpec.from_config(cfg)
+    new_state, metrics = jax.eval_shape(make_train_step(spec), state, target, batch)
     assert jax.tree.structure(new_state) == jax.tree.structure(state)
     assert metrics["loss/faithfulness"].shape == ()

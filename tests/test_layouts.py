@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent("""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from pdecomp import targets
     from pdecomp.sharding import OFFLOADED, Layout, place, shardings
-    from pdecomp.train import init_state, make_train_step
+    from pdecomp.train import StepSpec, init_state, make_train_step
     from test_lm import tiny_cfg, tokens
     from test_microbatches import LINEAR_ADAM
 
@@ -31,7 +31,8 @@ SCRIPT = textwrap.dedent("""
     cfg = dc.replace(cfg, layers=layers, data=dc.replace(cfg.data, batch_size=8),
                      optim=dc.replace(cfg.optim, components=LINEAR_ADAM, ci_fn=LINEAR_ADAM))
     target = targets.init_target(jax.random.PRNGKey(0), cfg.model)
-    state = init_state(jax.random.PRNGKey(1), cfg, target)
+    spec = StepSpec.from_config(cfg)
+    state = init_state(jax.random.PRNGKey(1), spec, target)
     batch = tokens(cfg)
 
     def leaves(tree):  # {path: values} of the floating leaves
@@ -40,13 +41,14 @@ SCRIPT = textwrap.dedent("""
                 if jnp.issubdtype(x.dtype, jnp.floating)}
 
     def run(cfg, layout):
+        spec = StepSpec.from_config(cfg)
         if layout is None:
-            new, m = jax.jit(make_train_step(cfg))(state, target, batch)
+            new, m = jax.jit(make_train_step(spec))(state, target, batch)
             return {"metrics": {k: float(v) for k, v in m.items()}, "state": leaves(new)}
         offload = OFFLOADED if cfg.memory.offload_opt_state else ()
         s_abs, t_abs = place(state, layout, offload), place(target, layout)
         specs = {str(x.sharding.spec) for x in jax.tree.leaves(s_abs)}
-        step = jax.jit(make_train_step(cfg, layout),
+        step = jax.jit(make_train_step(spec, layout),
                        out_shardings=(shardings(s_abs), NamedSharding(layout.mesh, P())))
         new, m = step(jax.device_put(state, shardings(s_abs)),
                       jax.device_put(target, shardings(t_abs)),

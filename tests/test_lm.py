@@ -32,7 +32,7 @@ from pdecomp.config import (
 )
 from pdecomp.masks import masks_from_sources, sample_forward_masks
 from pdecomp.metrics import fresh_pgd_masks, lm_mask_metrics
-from pdecomp.train import ascend, init_state, make_train_step, pgd_source_shape
+from pdecomp.train import StepSpec, ascend, init_state, make_train_step, pgd_source_shape
 from pdecomp.validation import validate
 
 SITES = [f"layers.{i}.mlp.{w}" for i in (1, 2) for w in ("gate_proj", "up_proj", "down_proj")]
@@ -68,14 +68,15 @@ def tokens(cfg: RunConfig, seed: int = 0) -> jax.Array:
 def setup():
     cfg = tiny_cfg()
     target = targets.init_target(jax.random.PRNGKey(0), cfg.model)
-    state = init_state(jax.random.PRNGKey(1), cfg, target)
+    spec = StepSpec.from_config(cfg)
+    state = init_state(jax.random.PRNGKey(1), spec, target)
     return cfg, target, state
 
 
 @pytest.fixture(scope="module")
 def step(setup):
     """The setup's train step, compiled once for the module (a compile takes seconds)."""
-    return jax.jit(make_train_step(setup[0]))
+    return jax.jit(make_train_step(StepSpec.from_config(setup[0])))
 
 
 class Clean(NamedTuple):
@@ -226,7 +227,8 @@ def test_source_scopes(scope, shape):
     assert pgd_source_shape(scope, (4, 8), 8) == shape
     cfg = tiny_cfg(scope)
     target = targets.init_target(jax.random.PRNGKey(0), cfg.model)
-    state = init_state(jax.random.PRNGKey(1), cfg, target)
+    spec = StepSpec.from_config(cfg)
+    state = init_state(jax.random.PRNGKey(1), spec, target)
     for s in SITES:
         src = state.adversary.sources[s]
         assert src.shape == shape and float(src.min()) >= 0 and float(src.max()) <= 1
@@ -327,7 +329,8 @@ def test_state_round_trip_through_a_checkpoint_continues_the_trajectory(setup, s
 def test_remat_policies_keep_the_numbers(setup, step, remat):
     cfg, target, state = setup
     ref = step(state, target, tokens(cfg))[1]
-    got = jax.jit(make_train_step(tiny_cfg(remat=remat, remat_names=["layer_out"])))(
+    spec = StepSpec.from_config(tiny_cfg(remat=remat, remat_names=["layer_out"]))
+    got = jax.jit(make_train_step(spec))(
         state, target, tokens(cfg))[1]
     for k in ("loss/total", "loss/recon_chunkwise", "loss/pgd"):
         assert float(got[k]) == pytest.approx(float(ref[k]), rel=1e-5), (remat, k)
@@ -339,7 +342,8 @@ def test_site_layer_saves_keep_the_numbers(setup, step, saves):
     """Scanned site layers rematerialized with each policy give the step without remat."""
     cfg, target, state = setup
     ref = step(state, target, tokens(cfg))[1]
-    got = jax.jit(make_train_step(tiny_cfg(remat_layers=True, site_layer_saves=saves)))(
+    spec = StepSpec.from_config(tiny_cfg(remat_layers=True, site_layer_saves=saves))
+    got = jax.jit(make_train_step(spec))(
         state, target, tokens(cfg))[1]
     for k in ("loss/total", "loss/recon_chunkwise", "loss/pgd", "train/grad_norm/components"):
         assert float(got[k]) == pytest.approx(float(ref[k]), rel=1e-5), (saves, k)

@@ -14,7 +14,7 @@ from test_lm import tiny_cfg, tokens
 from pdecomp import targets, toys
 from pdecomp.config import ConfigError, OptGroupConfig, RunConfig
 from pdecomp.masks import Positions, sample_forward_masks
-from pdecomp.train import init_state, make_train_step
+from pdecomp.train import StepSpec, init_state, make_train_step
 from pdecomp.validation import validate
 
 # lr 1 and Adam's eps 1e-3: the first update is g / (|g| + 1e-3), smooth in the gradient, so the
@@ -28,8 +28,9 @@ def with_microbatches(cfg: RunConfig, n: int) -> RunConfig:
 
 
 def one_step(cfg: RunConfig, target, batch):
-    state = init_state(jax.random.PRNGKey(1), cfg, target)
-    new, metrics = jax.jit(make_train_step(cfg))(state, target, batch)
+    spec = StepSpec.from_config(cfg)
+    state = init_state(jax.random.PRNGKey(1), spec, target)
+    new, metrics = jax.jit(make_train_step(spec))(state, target, batch)
     return state, new, metrics
 
 
@@ -117,7 +118,7 @@ def test_the_8b_preset_takes_its_microbatches_from_the_mesh(mesh, data_axis, mic
     assert cfg.optim.microbatch_size == 2 and cfg.data.batch_size == 128
     assert sharding.data_axis(cfg, None) == data_axis
     assert cfg.optim.microbatches == microbatches  # 128 / (2 x data axis)
-    assert sharding.microbatch_counts(cfg, data_axis) == [
+    assert sharding.microbatch_counts(cfg.data.batch_size, data_axis) == [
         m for m in range(1, 128 // data_axis + 1) if 128 // data_axis % m == 0]
 
 

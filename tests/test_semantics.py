@@ -304,12 +304,13 @@ def test_tied_follower_is_the_leaders_transpose_and_trains_it():
 
 @pytest.mark.parametrize("tie_update", ["shared", "per_site"])
 def test_tied_update_shared_sums_gradients_per_site_steps_each_site(tie_update):
-    from pdecomp.train import apply_component_updates, optimized_components, optimizer
+    from pdecomp.train import StepSpec, apply_component_updates, optimized_components, optimizer
 
     cfg = RunConfig()
     cfg = dc.replace(cfg, layers=dc.replace(cfg.layers, tie_update=tie_update))
     lead = Components.init(jax.random.PRNGKey(1), {"linear1": (5, 2)}, {"linear1": 4})
-    stepped = optimized_components(cfg, lead)
+    spec = StepSpec.from_config(cfg)
+    stepped = optimized_components(spec, lead)
     assert set(stepped.sites) == ({"linear1", "linear2"} if tie_update == "per_site"
                                   else {"linear1"})
     k = jax.random.split(jax.random.PRNGKey(2), 4)
@@ -319,7 +320,7 @@ def test_tied_update_shared_sums_gradients_per_site_steps_each_site(tie_update):
         Components({"linear1": SiteComponents(g1.V + g2.U.T, g1.U + g2.V.T)})  # autodiff's sum
     opt = optimizer(cfg.optim.components, cfg.optim.steps)
     updates, _ = opt.update(grads, opt.init(stepped), stepped)
-    new = apply_component_updates(cfg, lead, updates).sites["linear1"]
+    new = apply_component_updates(spec, lead, updates).sites["linear1"]
 
     lr, old = cfg.optim.components.lr, lead.sites["linear1"]
     # A first Adam step from zero moments is lr * g / (|g| + eps): about lr * sign(g).
@@ -335,7 +336,7 @@ def test_tied_update_shared_sums_gradients_per_site_steps_each_site(tie_update):
 
 def test_train_step_takes_the_tied_update_it_is_configured_with():
     from pdecomp import targets, toys
-    from pdecomp.train import init_state, make_train_step
+    from pdecomp.train import StepSpec, init_state, make_train_step
 
     base = dc.replace(RunConfig(), data=dc.replace(RunConfig().data, batch_size=64))
     target = targets.init_target(jax.random.PRNGKey(0), base.model)
@@ -343,8 +344,9 @@ def test_train_step_takes_the_tied_update_it_is_configured_with():
     leaders = {}
     for mode in ("shared", "per_site"):
         cfg = dc.replace(base, layers=dc.replace(base.layers, tie_update=mode))
-        state = init_state(jax.random.PRNGKey(1), cfg, target)
-        new, metrics = jax.jit(make_train_step(cfg))(state, target, x)
+        spec = StepSpec.from_config(cfg)
+        state = init_state(jax.random.PRNGKey(1), spec, target)
+        new, metrics = jax.jit(make_train_step(spec))(state, target, x)
         assert set(new.components.sites) == {"linear1"}  # the follower still owns nothing
         # per-site keeps AdamW moments for the follower's use of the shared parameters
         moments = optax.tree_utils.tree_get(new.comp_opt, "mu")
@@ -358,19 +360,20 @@ def test_train_step_takes_the_tied_update_it_is_configured_with():
 
 def test_train_step_takes_its_optimizers_as_arguments():
     from pdecomp import targets, toys
-    from pdecomp.train import Optimizers, init_state, make_train_step
+    from pdecomp.train import Optimizers, StepSpec, init_state, make_train_step
 
     cfg = dc.replace(RunConfig(), data=dc.replace(RunConfig().data, batch_size=64))
     target = targets.init_target(jax.random.PRNGKey(0), cfg.model)
     x = toys.sample_inputs(jax.random.PRNGKey(2), cfg.model, 64)
 
     def one_step(optimizers):
-        state = init_state(jax.random.PRNGKey(1), cfg, target, optimizers)
-        return state, jax.jit(make_train_step(cfg, optimizers=optimizers))(state, target, x)[0]
+        spec = StepSpec.from_config(cfg)
+        state = init_state(jax.random.PRNGKey(1), spec, target, optimizers)
+        return state, jax.jit(make_train_step(spec, optimizers=optimizers))(state, target, x)[0]
 
     # the config's own, given explicitly, are the default
     _, default = one_step(None)
-    _, explicit = one_step(Optimizers.from_config(cfg))
+    _, explicit = one_step(Optimizers.of(cfg.optim))
     assert all(bool(jnp.array_equal(a, b)) for a, b in zip(
         jax.tree.leaves(default), jax.tree.leaves(explicit), strict=True))
     # others are used: SGD with zero learning rate leaves components and CI function as
@@ -391,7 +394,7 @@ def test_train_step_takes_its_optimizers_as_arguments():
     ("ci", "all", "layerwise")])
 def test_every_ci_fn_source_routing_and_plan_trains(ci_fn, source, routing, plan):
     from pdecomp.config import ReconTermConfig
-    from pdecomp.train import init_state, make_train_step
+    from pdecomp.train import StepSpec, init_state, make_train_step
 
     base = RunConfig()
     term = ReconTermConfig(plan=plan, sites_per_chunk=1, source=source, routing=routing)
@@ -399,9 +402,10 @@ def test_every_ci_fn_source_routing_and_plan_trains(ci_fn, source, routing, plan
                                              tie=False),
                      loss=dc.replace(base.loss, recon={"t": term}))
     target = _tms(hidden=0)
-    state = init_state(jax.random.PRNGKey(0), cfg, target)
+    spec = StepSpec.from_config(cfg)
+    state = init_state(jax.random.PRNGKey(0), spec, target)
     x = jax.random.uniform(jax.random.PRNGKey(1), (64, 5))
-    step = jax.jit(make_train_step(cfg))
+    step = jax.jit(make_train_step(spec))
     new, m = step(state, target, x)
     assert np.isfinite(float(m["loss/total"])) and float(m["loss/recon_t"]) >= 0
     moved = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), new.ci_fn, state.ci_fn)
