@@ -8,7 +8,7 @@ component when one feature is active alone. Written as a static HTML page (sorta
 plots inline) with the plots as PNGs beside it, in `<run_dir>/analysis/`.
 
 The data is the run's own: a Llama reads the held-out split of its token stream (the one
-the final evaluation reads, `lm.token_stream(cfg, held_out=True)`), a toy samples inputs
+the final evaluation reads, `lm.token_stream(..., held_out=True)`), a toy samples inputs
 from the evaluation seed.
 """
 
@@ -121,7 +121,8 @@ def reads_tokens(run: Run) -> bool:
 def _lm_windows(run: Run, windows: int, batch_size: int) -> Iterator[np.ndarray]:
     """The held-out windows the final evaluation reads, `batch_size` at a time (the last
     batch shorter)."""
-    stream = token_stream(run.config, held_out=True)
+    cfg = run.config
+    stream = token_stream(cfg.model, cfg.data, cfg.seed, held_out=True)
     B = run.config.data.batch_size
     # Window w is row w % B of evaluation batch w // B: the first data.eval_batches * B
     # windows are the very ones the final evaluation read.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -21,6 +22,8 @@ from pdecomp.config import (
     ConfigError,
     DataConfig,
     DataSource,
+    DType,
+    EvalPGDConfig,
     LayersConfig,
     ModelConfig,
     RunConfig,
@@ -34,6 +37,16 @@ KINDS: dict[str, str] = {
     "resid_mlp": "pdecomp.toys:RESID_MLP_KIND",
     "llama": "pdecomp.lm:LLAMA_KIND",
 }
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    """What a kind's final metrics read of the run, resolved by the run once."""
+
+    ci_threshold: float  # loss.ci_threshold: a component is live above it
+    delta: bool  # layers.delta: the masked forwards run the weight delta
+    compute_dtype: DType  # memory.compute_dtype
+    pgd: EvalPGDConfig  # loss.eval_pgd: the adversarial evaluation
 
 
 class Kind:
@@ -61,11 +74,12 @@ class Kind:
         for key in self.positive:
             check_positive(f"model.{key}", getattr(model, key), zero_ok=key in self.zero_ok)
 
-    def validate_data(self, cfg: RunConfig) -> None:
-        """Checks of the data this run reads, before anything is made (ConfigError)."""
+    def validate_data(self, model: ModelConfig, data: DataConfig, seed: int) -> None:
+        """Checks of the data a training run reads, before anything is made (ConfigError;
+        not asked of a gate-only run, which reads no data)."""
 
-    def preflight(self, cfg: RunConfig) -> None:
-        """Checks that read files the job needs (a checkpoint's tensors, the token stream)."""
+    def preflight(self, model: ModelConfig, data: DataConfig, seed: int) -> None:
+        """Checks that read files a training job needs (the token stream), in the job."""
 
     def tied_sites(self, model: ModelConfig, layers: LayersConfig) -> dict[str, str]:
         """follower -> leader for the decomposed sites whose weights the target ties."""
@@ -102,23 +116,26 @@ class Kind:
         """One batch as a shape, split by `sharding`."""
         raise NotImplementedError
 
-    def batch_sampler(self, cfg: RunConfig, sharding: NamedSharding, key: Array,
-                      held_out: bool = False) -> Callable[[int], Array]:
-        """step -> that step's global batch, already split by `sharding`; deterministic in
-        (seed, step), so a resumed run sees the batches an uninterrupted one saw."""
+    def batch_sampler(self, model: ModelConfig, data: DataConfig, seed: int,
+                      sharding: NamedSharding, key: Array, held_out: bool = False
+                      ) -> Callable[[int], Array]:
+        """step -> that step's global batch of `data.batch_size`, already split by
+        `sharding`; deterministic in (seed or key, step), so a resumed run sees the batches
+        an uninterrupted one saw."""
         raise NotImplementedError
 
-    def load(self, cfg: RunConfig, shardings: Any, log: Callable[[str], None]
-             ) -> tuple[Any, dict[str, Any]]:
-        """The frozen target in `shardings`, and what says where it came from."""
+    def load(self, model: ModelConfig, layers: LayersConfig, target_dtype: DType,
+             shardings: Any, log: Callable[[str], None]) -> tuple[Any, dict[str, Any]]:
+        """The frozen target stored in `target_dtype`, in `shardings`, and what says where
+        it came from (`layers`: what the run decomposes of it, for the log)."""
         raise NotImplementedError
 
     def for_evaluation(self, trees: Any, replicated: NamedSharding) -> Any:
         """The target, components and CI function as `evaluate` reads them."""
         return trees
 
-    def evaluate(self, cfg: RunConfig, target: Any, components: Any, ci_fn: Any,
-                 batches: list[Array], key: Array, ci: dict[str, dict[str, Any]]
+    def evaluate(self, model: ModelConfig, spec: EvalSpec, target: Any, components: Any,
+                 ci_fn: Any, batches: list[Array], key: Array, ci: dict[str, dict[str, Any]]
                  ) -> dict[str, Any]:
         """The kind's own final metrics (besides every kind's live/L0 per site): numbers."""
         return {}

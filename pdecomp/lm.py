@@ -25,14 +25,14 @@ from pdecomp.config import (
     ConfigError,
     DataConfig,
     DataSource,
+    DType,
     LayersConfig,
     LlamaModelConfig,
     ModelConfig,
-    RunConfig,
     check_positive,
     rope_problem,
 )
-from pdecomp.kinds import Kind, site_C
+from pdecomp.kinds import EvalSpec, Kind, site_C
 
 
 def covered(model: ModelConfig, layers: LayersConfig) -> str:
@@ -81,12 +81,12 @@ def _open_tokens(spec: data.TokenSpec) -> data.TokenStream:
     return data.open_tokens(spec)
 
 
-def token_stream(cfg: RunConfig, held_out: bool = False) -> data.TokenStream:
+def token_stream(model: ModelConfig, d: DataConfig, seed: int, held_out: bool = False
+                 ) -> data.TokenStream:
     """The training stream, or the held-out one the final evaluation reads."""
-    d = cfg.data
     spec = data.TokenSpec(d.source, d.path, d.token_dtype, d.column, d.seq_len,
-                          llama.arch(cfg.model).vocab_size, cfg.seed)
-    return _open_tokens(spec).split(d.eval_frac, cfg.seed + EVAL_SEED_OFFSET)[held_out]
+                          llama.arch(model).vocab_size, seed)
+    return _open_tokens(spec).split(d.eval_frac, seed + EVAL_SEED_OFFSET)[held_out]
 
 
 class LlamaKind(Kind):
@@ -131,18 +131,17 @@ class LlamaKind(Kind):
             name, value, allowed = problem
             raise ConfigError(f"model.rope_scaling.{name}", value, allowed)
 
-    def validate_data(self, cfg: RunConfig) -> None:
+    def validate_data(self, model: ModelConfig, data: DataConfig, seed: int) -> None:
         """The token source opened as the run will open it, every id checked against the
         vocab and the dtype against its sidecar (pdecomp.data), so a bad file ends here,
         before the launcher makes anything. The scan is kept per file, so the job reads it
         once more at most (not at all when it runs in the launcher's process)."""
-        if cfg.data.source in (DataSource.tokens, DataSource.hf_dataset) and not cfg.gate.only:
-            token_stream(cfg)
+        if data.source in (DataSource.tokens, DataSource.hf_dataset):
+            token_stream(model, data, seed)
 
-    def preflight(self, cfg: RunConfig) -> None:
+    def preflight(self, model: ModelConfig, data: DataConfig, seed: int) -> None:
         # The checkpoint's headers were checked by `validate`, which the job runs first.
-        if not cfg.gate.only:  # the gate needs shapes only, not the data
-            token_stream(cfg)
+        token_stream(model, data, seed)
 
     def init_target(self, key: Array, model: ModelConfig, dtype: Any) -> Any:
         return llama.init_llama(key, llama.arch(model), dtype)
@@ -187,23 +186,24 @@ class LlamaKind(Kind):
                        sharding: NamedSharding) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((batch_size, data.seq_len), jnp.int32, sharding=sharding)
 
-    def batch_sampler(self, cfg: RunConfig, sharding: NamedSharding, key: Array,
-                      held_out: bool = False) -> Callable[[int], Array]:
+    def batch_sampler(self, model: ModelConfig, data: DataConfig, seed: int,
+                      sharding: NamedSharding, key: Array, held_out: bool = False
+                      ) -> Callable[[int], Array]:
         del key  # the stream is seeded by the run's seed
-        stream = token_stream(cfg, held_out)
-        B = cfg.data.batch_size
-        shape = (B, cfg.data.seq_len)
+        stream = token_stream(model, data, seed, held_out)
+        B = data.batch_size
+        shape = (B, data.seq_len)
         # Each host reads only the rows its own devices hold.
         return lambda i: jax.make_array_from_callback(
             shape, sharding, lambda index: stream.rows(i, B, index[0]))
 
-    def load(self, cfg: RunConfig, shardings: Any, log: Callable[[str], None]
-             ) -> tuple[Any, dict[str, Any]]:
+    def load(self, model: ModelConfig, layers: LayersConfig, target_dtype: DType,
+             shardings: Any, log: Callable[[str], None]) -> tuple[Any, dict[str, Any]]:
         """Read from its HF directory into place; without a path, trained on the synthetic
         language and cached like a toy, or (no training steps) random weights made in place."""
-        m, dtype = cfg.model, jnp.dtype(cfg.memory.target_dtype)
+        m, dtype = model, jnp.dtype(target_dtype)
         if m.path:
-            log(f"loading {m.path} ({cfg.memory.target_dtype}); {covered(m, cfg.layers)}")
+            log(f"loading {m.path} ({target_dtype}); {covered(m, layers)}")
             return llama.load_hf(m.path, dtype, shardings), {"path": m.path}
         if m.train_steps:
             target, meta = targets.load_shared_target(m, log)
@@ -213,12 +213,12 @@ class LlamaKind(Kind):
         init = jax.jit(lambda k: self.init_target(k, m, dtype), out_shardings=shardings)
         return init(jax.random.PRNGKey(m.seed)), {"seed": m.seed}
 
-    def evaluate(self, cfg: RunConfig, target: Any, components: Any, ci_fn: Any,
-                 batches: list[Array], key: Array, ci: dict[str, dict[str, Any]]
+    def evaluate(self, model: ModelConfig, spec: EvalSpec, target: Any, components: Any,
+                 ci_fn: Any, batches: list[Array], key: Array, ci: dict[str, dict[str, Any]]
                  ) -> dict[str, Any]:
-        return metrics.lm_mask_metrics(
-            target, components, ci_fn, batches, key, cfg.loss.ci_threshold, cfg.layers.delta,
-            jnp.dtype(cfg.memory.compute_dtype), cfg.loss.eval_pgd)
+        return metrics.lm_mask_metrics(target, components, ci_fn, batches, key,
+                                       spec.ci_threshold, spec.delta,
+                                       jnp.dtype(spec.compute_dtype), spec.pgd)
 
 
 LLAMA_KIND = LlamaKind()

@@ -29,7 +29,7 @@ from pdecomp import hardware, hosts, metrics, plots, sharding, storage
 from pdecomp.checkpoint import Checkpointer, UnreadableCheckpoint
 from pdecomp.components import with_tied
 from pdecomp.config import EVAL_SEED_OFFSET, ConfigError, RunConfig
-from pdecomp.kinds import kind_of, tied_sites
+from pdecomp.kinds import EvalSpec, kind_of, tied_sites
 from pdecomp.train import (
     StepSpec,
     TrainState,
@@ -202,7 +202,8 @@ def preflight(cfg: RunConfig, run_dir: str | Path | None = None) -> None:
     sharding.check_target(cfg.gate)
     if not sharding.is_deviceless(cfg.gate):
         sharding.make_mesh(cfg)  # its checks: every process of the job has devices in it
-    kind_of(cfg.model).preflight(cfg)
+    if not cfg.gate.only:  # the gate needs shapes only, not the data
+        kind_of(cfg.model).preflight(cfg.model, cfg.data, cfg.seed)
     if run_dir is not None and not cfg.gate.only:
         check_resumable(cfg, Path(run_dir))
 
@@ -288,7 +289,8 @@ def abstract_run(cfg: RunConfig, key: Array) -> tuple[Any, TrainState]:
 def load_target(cfg: RunConfig, target_abs: Any, log: Callable[[str], None]
                 ) -> tuple[Any, dict[str, Any]]:
     """The frozen target, in the shardings of `target_abs`, as its kind loads it."""
-    return kind_of(cfg.model).load(cfg, sharding.shardings(target_abs), log)
+    return kind_of(cfg.model).load(cfg.model, cfg.layers, cfg.memory.target_dtype,
+                                   sharding.shardings(target_abs), log)
 
 
 @dataclass
@@ -485,7 +487,8 @@ def train(cfg: RunConfig, g: Gated, target: Any, state: TrainState, start: int,
     calibration (once, gate.calibrate_after steps in), progress, the stop check (every
     logging.stop_check_every) and the checkpoint (every logging.ckpt_every, the last, a
     stop). Returns the final state and the metrics history."""
-    sample = kind_of(cfg.model).batch_sampler(cfg, g.batch_sharding, g.data_key)
+    sample = kind_of(cfg.model).batch_sampler(cfg.model, cfg.data, cfg.seed, g.batch_sharding,
+                                              g.data_key)
     # With more simulated CPU devices than cores, in-flight steps can starve the collective
     # rendezvous of threads; waiting on each step avoids that.
     sync_each = jax.default_backend() == "cpu" and g.mesh.size > 1
@@ -603,8 +606,9 @@ def evaluate(cfg: RunConfig, target, state: Learned | TrainState, batch_sharding
     # In training's microbatches: a whole batch at once would need memory the step, which
     # takes it in optim.microbatches pieces, never did.
     n = cfg.optim.microbatches
-    micro = dc.replace(cfg, data=dc.replace(cfg.data, batch_size=cfg.data.batch_size // n))
-    sample = kind.batch_sampler(micro, batch_sharding, eval_key, held_out=True)
+    micro = dc.replace(cfg.data, batch_size=cfg.data.batch_size // n)
+    sample = kind.batch_sampler(cfg.model, micro, cfg.seed, batch_sharding, eval_key,
+                                held_out=True)
     batches = [sample(i) for i in range(cfg.data.eval_batches * n)]
     replicated = NamedSharding(batch_sharding.mesh, P())
     components = with_tied(state.components, tied_sites(cfg.model, cfg.layers))
@@ -616,7 +620,10 @@ def evaluate(cfg: RunConfig, target, state: Learned | TrainState, batch_sharding
     for s, v in ci.items():
         summary[f"live/{s}"] = v["live"]
         summary[f"l0/{s}"] = v["l0"]
-    summary.update(kind.evaluate(cfg, target, components, ci_fn, batches, eval_key, ci))
+    spec = EvalSpec(cfg.loss.ci_threshold, cfg.layers.delta, cfg.memory.compute_dtype,
+                    cfg.loss.eval_pgd)
+    summary.update(kind.evaluate(cfg.model, spec, target, components, ci_fn, batches,
+                                 eval_key, ci))
     return summary, Evaluated(target, components, ci)
 
 

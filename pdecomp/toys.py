@@ -20,13 +20,13 @@ from pdecomp import metrics, plots, sharding, targets, toy_models
 from pdecomp.config import (
     ConfigError,
     DataConfig,
+    DType,
     LayersConfig,
     ModelConfig,
     ResidMLPConfig,
-    RunConfig,
     TMSConfig,
 )
-from pdecomp.kinds import Kind, kind_of
+from pdecomp.kinds import EvalSpec, Kind, kind_of
 
 _TRAIN_CHUNK = 500  # steps per compiled scan of a toy's training
 
@@ -101,20 +101,21 @@ class ToyKind(Kind):
         return jax.ShapeDtypeStruct((batch_size, model.n_features), jnp.float32,
                                     sharding=sharding)
 
-    def batch_sampler(self, cfg: RunConfig, sharding: NamedSharding, key: Array,
-                      held_out: bool = False) -> Callable[[int], Array]:
-        del held_out  # fresh draws from another key are held out already
-        B = cfg.data.batch_size
+    def batch_sampler(self, model: ModelConfig, data: DataConfig, seed: int,
+                      sharding: NamedSharding, key: Array, held_out: bool = False
+                      ) -> Callable[[int], Array]:
+        del seed, held_out  # drawn from `key`; fresh draws from another key are held out
+        B = data.batch_size
         # fold_in inside the jit: one dispatch a step, not two (the host thread shares the
         # cores with the step on a CPU)
-        sample = jax.jit(lambda k, i: self.sample_inputs(jax.random.fold_in(k, i),
-                                                         cfg.model, B),
+        sample = jax.jit(lambda k, i: self.sample_inputs(jax.random.fold_in(k, i), model, B),
                          out_shardings=sharding)
         return lambda i: sample(key, i)
 
-    def load(self, cfg: RunConfig, shardings: Any, log: Callable[[str], None]
-             ) -> tuple[Any, dict[str, Any]]:
-        target, meta = targets.load_shared_target(cfg.model, log)
+    def load(self, model: ModelConfig, layers: LayersConfig, target_dtype: DType,
+             shardings: Any, log: Callable[[str], None]) -> tuple[Any, dict[str, Any]]:
+        del layers, target_dtype  # a toy is kept in float32 whole (it is tiny)
+        target, meta = targets.load_shared_target(model, log)
         return sharding.put_from_host(target, shardings), meta
 
     def for_evaluation(self, trees: Any, replicated: NamedSharding) -> Any:
@@ -155,13 +156,13 @@ class TMSKind(ToyKind):
         return ({"linear2": "linear1"} if layers.tie and {"linear1", "linear2"} <= chosen
                 else {})
 
-    def evaluate(self, cfg: RunConfig, target: Any, components: Any, ci_fn: Any,
-                 batches: list[Array], key: Array, ci: dict[str, dict[str, Any]]
+    def evaluate(self, model: ModelConfig, spec: EvalSpec, target: Any, components: Any,
+                 ci_fn: Any, batches: list[Array], key: Array, ci: dict[str, dict[str, Any]]
                  ) -> dict[str, Any]:
-        thr = cfg.loss.ci_threshold
+        thr = spec.ci_threshold
         return {**metrics.tms_ground_truth(target, components,
                                            {s: v["max_ci"] > thr for s, v in ci.items()}),
-                **metrics.one_hot_live(target, components, ci_fn, thr, cfg.model.n_features)}
+                **metrics.one_hot_live(target, components, ci_fn, thr, model.n_features)}
 
     def plots(self, target: Any, components: Any, ci: dict[str, dict[str, Any]], thr: float,
               run_dir: Path) -> dict[str, str]:
@@ -202,10 +203,10 @@ class ResidMLPKind(ToyKind):
         return tuple(f"layers.{i}.{w}" for i in range(model.n_layers)
                      for w in ("mlp_in", "mlp_out"))
 
-    def evaluate(self, cfg: RunConfig, target: Any, components: Any, ci_fn: Any,
-                 batches: list[Array], key: Array, ci: dict[str, dict[str, Any]]
+    def evaluate(self, model: ModelConfig, spec: EvalSpec, target: Any, components: Any,
+                 ci_fn: Any, batches: list[Array], key: Array, ci: dict[str, dict[str, Any]]
                  ) -> dict[str, Any]:
-        return metrics.resid_one_to_one(target, components, ci_fn, cfg.loss.ci_threshold)
+        return metrics.resid_one_to_one(target, components, ci_fn, spec.ci_threshold)
 
 
 TMS_KIND = TMSKind()

@@ -78,7 +78,7 @@ def test_lm_report_matches_a_direct_recomputation(lm_report: Path, cache) -> Non
 
     # The same 64 held-out windows (two evaluation batches of 32), CI from the loaded CI
     # function directly, on the whole set at once.
-    stream = token_stream(run.config, held_out=True)
+    stream = token_stream(run.config.model, run.config.data, run.config.seed, held_out=True)
     x = jnp.asarray(np.concatenate([stream.rows(0, 32), stream.rows(1, 32)]))
     ci = np.asarray(metrics.causal_importances(run.target, run.components, run.ci_fn,
                                                x)[SITE]).reshape(-1, C)

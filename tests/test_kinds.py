@@ -18,7 +18,7 @@ from jaxtyping import Array
 from launcher import api
 from pdecomp import kinds, sharding
 from pdecomp.components import LinearFn, frozen_linear
-from pdecomp.config import ConfigError, ModelConfig, RunConfig, TMSConfig
+from pdecomp.config import ConfigError, ModelConfig, TMSConfig
 from pdecomp.kinds import site_C
 from pdecomp.run import Hooks
 from pdecomp.toys import ToyKind
@@ -80,9 +80,10 @@ class LinearKind(ToyKind):
         n, m = model.n_features, model.d_hidden
         return Linear(jax.random.normal(key, (n, m), dtype) / jnp.sqrt(n))
 
-    def load(self, cfg: RunConfig, shardings: Any, log: Callable[[str], None]):
-        target = self.init_target(jax.random.PRNGKey(cfg.model.seed), cfg.model, jnp.float32)
-        return sharding.put_from_host(target, shardings), {"seed": cfg.model.seed}
+    def load(self, model: ModelConfig, layers: Any, target_dtype: Any, shardings: Any,
+             log: Callable[[str], None]):
+        target = self.init_target(jax.random.PRNGKey(model.seed), model, jnp.float32)
+        return sharding.put_from_host(target, shardings), {"seed": model.seed}
 
 
 def test_a_new_kind_is_one_module_and_one_registry_entry(monkeypatch, tmp_path: Path):
