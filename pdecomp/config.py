@@ -328,7 +328,7 @@ class MemoryConfig:
     # Rematerialize layer by layer inside the scanned runs of target layers and the global CI
     # transformer's blocks: a backward through them keeps one layer's activations (LMs: its
     # [B, heads, T, T] attention scores) at a time, at one more forward per layer (runs of
-    # site layers keep their batchless matmuls and recompute attention and the rest).
+    # site layers keep what `site_layer_saves` names and recompute the rest).
     remat_layers: bool = False
     # What a rematerialized run of site layers keeps per layer (a name in
     # pdecomp.llama.SITE_LAYER_SAVES): linears (every batchless matmul), sites (the

@@ -178,6 +178,7 @@ def apply_rope(x: Float[Array, "*b t h d"], cos: Array, sin: Array) -> Array:
 # norms and activations recomputed); `sites` only the components' inner activations and
 # each site's output (the frozen and delta linears recomputed too, a small share of the
 # FLOPs); `nothing` the layer's input alone (the components' matmuls recomputed as well).
+# In order of what they keep, most first (a refusal names those after the run's).
 _cp = jax.checkpoint_policies
 SITE_LAYER_SAVES: dict[str, Callable | None] = {
     "linears": _cp.dots_with_no_batch_dims_saveable,
@@ -318,7 +319,7 @@ class Llama(eqx.Module):
 
     def _scan_sites(self, h: Array, i: int, j: int, linear: SiteLinear,
                     rope: tuple[Array, Array], streams: dict[int, Array] | None,
-                    remat: bool, saves: str = "linears") -> Array:
+                    remat: bool, saves: str) -> Array:
         """Hooked layers [i, j), whose sites read data of one shape, under one scan: one
         traced layer however many there are. Each site's data is stacked over the layers;
         the layers' site inputs (when `linear` records) and entering streams come out as

@@ -30,6 +30,7 @@ from pdecomp.checkpoint import Checkpointer, UnreadableCheckpoint
 from pdecomp.components import with_tied
 from pdecomp.config import EVAL_SEED_OFFSET, ConfigError, RunConfig
 from pdecomp.kinds import EvalSpec, kind_of, tied_sites
+from pdecomp.llama import SITE_LAYER_SAVES
 from pdecomp.train import (
     StepSpec,
     TrainState,
@@ -54,10 +55,6 @@ class NonFiniteLoss(FloatingPointError):
     """Training produced a NaN or an infinity; what was checkpointed before it is intact."""
 
 
-# The site-layer saves that keep less than each (a refusal's hint; pdecomp.llama).
-LIGHTER_SAVES = {"linears": "sites or nothing", "sites": "nothing"}
-
-
 class GateRefused(RuntimeError):
     def __init__(self, report: dict[str, Any]):
         self.report = report
@@ -70,7 +67,9 @@ class GateRefused(RuntimeError):
         if "fit" not in report and report.get("microbatches", most) < most:
             why += (f"; up to {most} microbatches would hold fewer activations "
                     "(gate.fit=microbatches finds the fewest that fit)")
-        lighter = LIGHTER_SAVES.get(report.get("site_layer_saves"))
+        saves = list(SITE_LAYER_SAVES)  # most kept first
+        kept = report.get("site_layer_saves")
+        lighter = " or ".join(saves[saves.index(kept) + 1:]) if kept in saves else ""
         if "fit" not in report and lighter:
             why += (f"; memory.site_layer_saves={lighter} would keep fewer of the site layers' "
                     "activations, at more FLOPs")

@@ -90,9 +90,9 @@ class Layout:
         return self.constrain(x, ("batch", *(None,) * (x.ndim - 2), "comp"))
 
 
-def make_layout(plan: MeshConfig, mesh: Mesh) -> Layout:
-    """The layout `mesh.rules` and `mesh.shard_state` ask for on `mesh`."""
-    return Layout(mesh, dict(plan.rules), plan.shard_state)
+def make_layout(planned: MeshConfig, mesh: Mesh) -> Layout:
+    """The layout the config's `mesh.rules` and `mesh.shard_state` ask for on `mesh`."""
+    return Layout(mesh, dict(planned.rules), planned.shard_state)
 
 
 def data_axis(cfg: RunConfig, n_devices: int | None) -> int | None:

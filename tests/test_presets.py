@@ -24,7 +24,7 @@ def test_every_preset_composes_and_validates(preset):
 
 
 # preset -> (its MLP layers, the mesh its header sizes it for)
-LARGE = {"llama8b_all_mlp": (range(0, 32), "fsdp8x8"),
+LARGE = {"llama8b_all_mlp": (range(32), "fsdp8x8"),
          "llama70b_l27-44": (range(27, 45), "fsdp8x8"),
          "llama70b_l20-49": (range(20, 50), "fsdp16x8")}
 
