@@ -9,12 +9,13 @@ sites in one forward (KL to the clean model), no PGD, no rematerialization. A ma
 1. prefix: the frozen layers before the site layer, once (outside every gradient);
 2. clean suffix: the site layer to the last, and the head (the recon target);
 3. CI function on each site's clean input, forward and backward (its weights' gradients);
-4. masked forward from the site layer: each site's x@V, (mask * inner)@U, x@(W - VU) for
-   the delta component, and the frozen x@W where routing leaves a position unrouted;
+4. masked forward from the site layer: each site's x@V, (mask * inner)@U, and the frozen
+   x@W, once, for the delta component (x@(W - VU) = x@W - inner@U, folded into the mask
+   on the inner acts) and where routing leaves a position unrouted;
 5. its backward: the head and every layer after the sites take only input gradients
-   (frozen); each site its U, inner-activation, V and delta gradients, and input gradients
-   where its input depends on a trained parameter (down_proj after gate/up; nothing
-   before the first site does);
+   (frozen); each site its U, inner-activation and V gradients (x@W is frozen: no weight
+   gradient), and input gradients where its input depends on a trained parameter
+   (down_proj after gate/up; nothing before the first site does);
 6. faithfulness: the deltas W - V@U and their gradient back through V@U.
 
 Run: .venv/bin/python bench/lm_flops.py [overrides...]: the analytic count per term beside
@@ -97,13 +98,14 @@ def count(j: Job) -> dict[str, int]:
         d_in, d_out = _site_dims(j, s)
         x_v, inner_u = 2 * n * d_in * j.C, 2 * n * j.C * d_out
         full = 2 * n * d_in * d_out  # one [n, d_in] x [d_in, d_out]
-        # x@(W - VU); the frozen x@W where a position is not routed (one site: always is)
-        extra = full * (j.delta + (j.routing == "uniform_k" and len(j.sites) > 1))
+        # the frozen x@W: the delta channel's, and where a position is not routed (one
+        # site: always is)
+        extra = full * (j.delta or (j.routing == "uniform_k" and len(j.sites) > 1))
         site_fwd += x_v + inner_u + extra
-        # U's gradient, the inner activations' (for V's) and V's; the delta's
-        site_bwd += 2 * inner_u + x_v + full * j.delta
+        # U's gradient, the inner activations' (for V's) and V's
+        site_bwd += 2 * inner_u + x_v
         if s == "down_proj" and downstream:  # its input depends on trained parameters
-            site_bwd += x_v + extra  # input gradients through V, (W - VU) and W
+            site_bwd += x_v + extra  # input gradients through V and W
     masked_fwd = (layer["attn_proj"] + layer["attn"] + frozen_mlp + site_fwd
                   + after * per_layer + head)
     # the head and the later layers pass input gradients only (attention's two matmuls

@@ -117,36 +117,37 @@ class SiteMask(NamedTuple):
 
 
 def weight_deltas(weights: Mapping[str, Array], components: Components) -> dict[str, Array]:
-    """Δ = W − V@U per site, fp32: computed once per step and shared by every forward (and
-    by faithfulness), rather than once per forward."""
+    """Δ = W − V@U per site, fp32 (faithfulness)."""
     return {s: weights[s].astype(jnp.float32) - c.weight for s, c in components.sites.items()}
 
 
-def masked_linear(components: Components, site_masks: Mapping[str, SiteMask],
-                  deltas: Mapping[str, Array] | None = None) -> LinearFn:
+def masked_linear(components: Components, site_masks: Mapping[str, SiteMask]) -> LinearFn:
     """The linear fn of a forward whose live sites are the keys of `site_masks`.
 
-    A live site computes `((x @ V) * mask) @ U + (x @ Δ) * delta_mask` with Δ = W − V@U
-    (from `deltas` when given), and the frozen `x @ W` where it is not routed. Every other
-    site stays on the frozen path, so it creates no [*, C] tensors and gives its V/U no
-    gradient.
+    A live site computes `((x @ V) * mask) @ U + (x @ Δ) * delta_mask` with Δ = W − V@U,
+    and the frozen `x @ W` where it is not routed. Every other site stays on the frozen
+    path, so it creates no [*, C] tensors and gives its V/U no gradient.
     """
-
-    data = {s: (components.sites[s], m,
-                None if deltas is None or m.delta_mask is None else deltas[s])
-            for s, m in site_masks.items()}
-    return SiteLinear(data, _masked)
+    return SiteLinear({s: (components.sites[s], m) for s, m in site_masks.items()}, _masked)
 
 
-def _masked(data: tuple[SiteComponents, SiteMask, Array | None], x: Array, W: Array) -> Array:
-    comp, m, delta = data
+def _masked(data: tuple[SiteComponents, SiteMask], x: Array, W: Array) -> Array:
+    comp, m = data
     dt = x.dtype
     # Tags for remat policies: the [*pos, C] inner acts and the site output.
     inner = checkpoint_name(x @ comp.V.astype(dt), "site_inner")
-    y = (inner * m.mask.astype(dt)) @ comp.U.astype(dt)
+    if m.delta_mask is None and m.routed is None:
+        return checkpoint_name((inner * m.mask.astype(dt)) @ comp.U.astype(dt), "site_out")
+    # x @ Δ = x @ W − (x @ V) @ U, so the delta channel is `x @ W` (the frozen product,
+    # also what an unrouted position reads) and a second mask on the same inner acts:
+    # y = ((x @ V) * (mask − delta_mask)) @ U + (x @ W) * delta_mask. The same function
+    # with no x @ Δ: the backward has no [d_in, d_out] weight gradient per forward (nor
+    # the transposed [*pos, d_out] copy XLA:CPU made to feed it) and the step holds no Δ.
+    frozen = frozen_linear("", x, W)
+    mask = m.mask if m.delta_mask is None else m.mask - m.delta_mask[..., None]
+    y = (inner * mask.astype(dt)) @ comp.U.astype(dt)
     if m.delta_mask is not None:
-        delta = W.astype(jnp.float32) - comp.weight if delta is None else delta
-        y = y + (x @ delta.astype(dt)) * m.delta_mask[..., None].astype(dt)
+        y = y + frozen * m.delta_mask[..., None].astype(dt)
     if m.routed is not None:
-        y = jnp.where(m.routed[..., None], y, frozen_linear("", x, W))
+        y = jnp.where(m.routed[..., None], y, frozen)
     return checkpoint_name(y, "site_out")

@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -313,7 +313,6 @@ class Trainable(NamedTuple):
     components: Components  # as the optimizer steps them (`optimized_components`)
     ci_fn: CIFunction
     sources: dict[str, Array] | None  # the adversary's (None: no PGD term)
-    deltas: dict[str, Array]  # W - V@U per site, pulled back through V@U afterwards
 
 
 class Observed(NamedTuple):
@@ -382,12 +381,11 @@ def step(plan: StepPlan, state: TrainState, target, batch: Array) -> tuple[Train
     key, step_key = jax.random.split(state.key)
     ps = Pass(plan, state, target, batch)
 
-    # The weight deltas W − V@U are shared by every forward and by faithfulness: computed
-    # once, their gradient summed over the microbatches, then pulled back through V@U.
+    # Faithfulness reads the weights alone: its value and gradient once per step, apart
+    # from the microbatches' backward (the forwards need no W − V@U; `masked_linear`).
     stepped = optimized_components(spec, state.components)
-    deltas, deltas_vjp = jax.vjp(
-        lambda c: weight_deltas(ps.weights, with_tied(c, tied)), stepped)
-    faith, g_faith = jax.value_and_grad(losses.faithfulness)(deltas)
+    faith, g_faith = jax.value_and_grad(lambda c: losses.faithfulness(
+        weight_deltas(ps.weights, with_tied(c, tied))))(stepped)
 
     # 2'. Imp-min's log term needs S_c over the whole batch: with microbatches, a first
     # pass sums them, and each microbatch's backward then takes dI/dS_c as a constant
@@ -398,10 +396,10 @@ def step(plan: StepPlan, state: TrainState, target, batch: Array) -> tuple[Train
     adversary, lr = state.adversary, None
     if spec.pgd:
         lr = plan.lr_pgd(state.step)
-        adversary = warmup_ascents(ps, deltas, lr)
+        adversary = warmup_ascents(ps, lr)
 
     sources = adversary.sources if adversary is not None else None
-    params = Trainable(stepped, state.ci_fn, sources, deltas)
+    params = Trainable(stepped, state.ci_fn, sources)
     grad_fn = jax.value_and_grad(partial(loss_fn, ps, imp_grad, step_key), has_aux=True)
 
     def accumulate(acc, obs, m, at):
@@ -413,10 +411,8 @@ def step(plan: StepPlan, state: TrainState, target, batch: Array) -> tuple[Train
                                                                 else {})},
            {s: zero for s in spec.sites})
     init = ps.zeros_like((params, aux))
-    (g_comp, g_ci, g_src, g_deltas), (terms, l0) = ps.over_microbatches(accumulate, init)
-    # Faithfulness and every forward's gradient on the deltas, pulled back through V@U.
-    g_deltas = jax.tree.map(lambda a, b: a + spec.faith_coeff * b, g_deltas, g_faith)
-    g_comp = jax.tree.map(jnp.add, g_comp, deltas_vjp(g_deltas)[0])
+    (g_comp, g_ci, g_src), (terms, l0) = ps.over_microbatches(accumulate, init)
+    g_comp = jax.tree.map(lambda a, b: a + spec.faith_coeff * b, g_comp, g_faith)
     terms = {"faithfulness": faith,
              "imp_min": terms.pop("imp_min") if imp_grad is None else imp_value, **terms}
     terms["total"] = (spec.faith_coeff * faith + spec.imp_coeff * terms["imp_min"]
@@ -511,19 +507,19 @@ class Pass:
         return {s: ci_lower(self.plan.pin(v))
                 for s, v in ci_fn.logits_of(features, live, components).items()}
 
-    def recon_distance(self, live, source, routing, components, deltas, ci, key, obs, at):
+    def recon_distance(self, live, source, routing, components, ci, key, obs, at):
         lower = self.site_lower(ci, live, components)
         masks = sample_forward_masks(key, live, source, routing, lower, self.spec.delta, at)
         masks = {s: m._replace(mask=self.plan.pin(m.mask)) for s, m in masks.items()}
-        out = self.suffix(obs.resid, masked_linear(components, masks, deltas),
+        out = self.suffix(obs.resid, masked_linear(components, masks),
                           streams=obs.streams, live=tuple(masks))
         return self.plan.distance(out, obs.recon_target)
 
-    def pgd_distance(self, components, deltas, ci, sources, obs):
+    def pgd_distance(self, components, ci, sources, obs):
         lower = self.site_lower(ci, tuple(sources), components)
         masks = masks_from_sources(lower, sources, {s: None for s in sources},
                                    self.spec.delta)
-        out = self.suffix(obs.resid, masked_linear(components, masks, deltas),
+        out = self.suffix(obs.resid, masked_linear(components, masks),
                           streams=obs.streams, live=tuple(masks))
         return self.plan.distance(out, obs.recon_target)
 
@@ -569,13 +565,12 @@ def importance_over_batch(ps: Pass) -> tuple[Array, dict[str, Array]]:
     return jax.value_and_grad(losses.importance_from_sums)(S, ps.n_pos, spec.beta)
 
 
-def warmup_ascents(ps: Pass, deltas: Any, lr: Array) -> Adversary:
+def warmup_ascents(ps: Pass, lr: Array) -> Adversary:
     """The adversary after its warmup ascents, against detached components and CI (a loop,
     not unrolled: one compiled ascent however many there are), each on the gradient of the
     whole batch."""
     spec, state, n_micro = ps.spec, ps.state, ps.n_micro
     comps = jax.lax.stop_gradient(with_tied(state.components, ps.plan.tied))
-    fixed_deltas = jax.lax.stop_gradient(deltas)
 
     def detached(obs):
         if spec.stream_ci:
@@ -590,7 +585,7 @@ def warmup_ascents(ps: Pass, deltas: Any, lr: Array) -> Adversary:
         def grad_of(acc, inputs, m, at):
             obs, ci = inputs
             g = jax.grad(lambda src: ps.pgd_distance(
-                comps, fixed_deltas, ci,
+                comps, ci,
                 {s: ps.source_rows(v, m) for s, v in src.items()}, obs))(adv.sources)
             return ps.add(acc, jax.tree.map(lambda x: x / n_micro, g))
 
@@ -605,7 +600,7 @@ def loss_fn(ps: Pass, imp_grad: dict[str, Array] | None, step_key: Array, params
     """One microbatch's share of the loss (2, 4), differentiated in `params`; its terms and
     L0s."""
     spec, n_micro = ps.spec, ps.n_micro
-    stepped_components, ci_fn, sources, deltas = params
+    stepped_components, ci_fn, sources = params
     # Shared tied update: the followers are built here, so both sites' gradients sum on the
     # owned parameters. Per-site: they came in with the stepped components
     # (optimized_components), with gradients of their own.
@@ -632,14 +627,14 @@ def loss_fn(ps: Pass, imp_grad: dict[str, Array] | None, step_key: Array, params
     term_keys = jax.random.split(step_key, max(len(spec.recon), 1))
     for term, term_key in zip(spec.recon, term_keys):
         fwd_keys = jax.random.split(term_key, len(term.plan))
-        ds = [ps.recon_distance(live, term.source, term.routing, components, deltas, ci,
-                                fwd_key, obs, at)
+        ds = [ps.recon_distance(live, term.source, term.routing, components, ci, fwd_key,
+                                obs, at)
               for live, fwd_key in zip(term.plan, fwd_keys)]
         terms[f"recon_{term.name}"] = sum(ds) / len(ds) / n_micro
         total = total + term.coeff * terms[f"recon_{term.name}"]
     if spec.pgd:
         terms["pgd"] = ps.pgd_distance(
-            components, deltas, ci, {s: ps.source_rows(v, m) for s, v in sources.items()},
+            components, ci, {s: ps.source_rows(v, m) for s, v in sources.items()},
             obs) / n_micro
         total = total + spec.pgd.coeff * terms["pgd"]
     return total, (terms, {s: v / n_micro for s, v in l0.items()})

@@ -111,7 +111,8 @@ def test_site_not_live_gets_zero_component_gradient():
     x = jax.random.uniform(jax.random.PRNGKey(2), (16, 5))
 
     def loss(c):
-        masks = {"linear1": SiteMask(jnp.full((16, 4), 0.5), jnp.full((16,), 0.5), None)}
+        # (mask = delta mask would make the live site's output 0.5 W x, free of V and U)
+        masks = {"linear1": SiteMask(jnp.full((16, 4), 0.7), jnp.full((16,), 0.5), None)}
         return jnp.sum(target(x, masked_linear(c, masks)) ** 2)
 
     g = jax.grad(loss)(comps)
@@ -130,6 +131,32 @@ def test_unrouted_positions_take_the_frozen_path():
     np.testing.assert_allclose(y[~np.asarray(routed)], frozen_linear("s", x, W)[~routed],
                                rtol=1e-6)
     np.testing.assert_allclose(y[np.asarray(routed)], 0.0, atol=1e-6)  # zero mask, no delta
+
+
+def test_live_site_computes_the_delta_channel_as_written():
+    """The site's output and its gradients (components, masks, delta source) equal the
+    semantics as written, ((x @ V) * mask) @ U + (x @ (W − V@U)) * delta_mask with the
+    frozen x @ W where unrouted, though it is computed without forming W − V@U."""
+    comps = Components.init(jax.random.PRNGKey(1), {"s": (12, 20)}, {"s": 9})
+    W = jax.random.normal(jax.random.PRNGKey(3), (12, 20))
+    x = jax.random.normal(jax.random.PRNGKey(4), (32, 12))
+    mask = jax.random.uniform(jax.random.PRNGKey(5), (32, 9))
+    delta = jax.random.uniform(jax.random.PRNGKey(6), (32,))
+    routed = jax.random.bernoulli(jax.random.PRNGKey(7), 0.7, (32,))
+
+    def ours(c, mask, delta):
+        y = masked_linear(c, {"s": SiteMask(mask, delta, routed)})("s", x, W)
+        return jnp.sum(jnp.sin(y))
+
+    def written(c, mask, delta):
+        V, U = c.sites["s"].V, c.sites["s"].U
+        y = (x @ V * mask) @ U + (x @ (W - V @ U)) * delta[:, None]
+        return jnp.sum(jnp.sin(jnp.where(routed[:, None], y, x @ W)))
+
+    got = jax.value_and_grad(ours, argnums=(0, 1, 2))(comps, mask, delta)
+    want = jax.value_and_grad(written, argnums=(0, 1, 2))(comps, mask, delta)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
 def test_uniform_k_routes_between_one_and_all_live_sites():
