@@ -12,6 +12,11 @@ Baseline: the public PyTorch SPD on the same job. `--reference FILE` reads the J
 that `bench_spd_reference.py` prints, measured on this machine (the ratio that means
 something); without it, the figures issue #32 quoted from another 2-core host (below).
 
+Rows per `--matmul-dtype` (float32, and bfloat16: `memory.matmul_dtype=bfloat16`, the
+forwards' matmuls on bfloat16 operands summed in float32, each row's rate read against the
+peak of its own operands); the bfloat16 rows' baseline is the reference's own default,
+bfloat16 autocast (`--reference-bf16`).
+
 Run: .venv/bin/python bench/bench_lm_cpu.py [--model DIR] [--data FILE] [--steps N]
 (without --model: random weights of SmolLM2's shapes, which run at the same speed; without
 --data: the synthetic token stream).
@@ -38,6 +43,8 @@ from rich.table import Table
 # 2.86 s here).
 QUOTED = {"mlp": (4.44, 3.24), "shared_mlp": (4.18, 3.07), "vector_mlp": (4.52, 3.33)}
 CI_FNS = {"mlp": "[16]", "shared_mlp": "[550]", "vector_mlp": "[8]"}
+# A row's matmul operands -> the peak its rate is read against: (operand dtype, product's)
+PEAKS = {"float32": ("float32", None), "bfloat16": ("bfloat16", "float32")}
 JOB = ["loss.pgd.coeff=0", "optim.faith_warmup_steps=0", "loss.eval_pgd.n_steps=0",
        "data.eval_batches=1", "logging.wandb=false", "logging.progress=false",
        "logging.plots=false", "logging.ckpt_every=100000"]
@@ -88,35 +95,44 @@ def main() -> None:
     p.add_argument("--data", help="a token file (pdecomp tokenize)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--ci-fn", action="append", choices=list(CI_FNS))
-    p.add_argument("--reference", help="bench_spd_reference.py's JSON line, this machine's")
+    p.add_argument("--matmul-dtype", action="append", choices=list(PEAKS),
+                   help="memory.matmul_dtype of a set of rows (default: float32)")
+    p.add_argument("--reference", help="bench_spd_reference.py's JSON line, this machine's "
+                                       "(--dtype float32): the float32 rows' baseline")
+    p.add_argument("--reference-bf16", help="the same with --dtype autocast_bf16: the "
+                                            "bfloat16 rows' baseline")
     p.add_argument("--override", action="append", default=[],
-                   help="another override for every row (memory.compute_dtype=bfloat16)")
+                   help="another override for every row")
     args = p.parse_args()
-    reference = QUOTED
-    if args.reference:
-        measured = json.loads(Path(args.reference).read_text().strip().splitlines()[-1])
-        reference = {k: (v["step_s"], v["rss_gb"]) for k, v in measured.items()}
+    reference = {"float32": QUOTED, "bfloat16": {}}
+    for dt, path in (("float32", args.reference), ("bfloat16", args.reference_bf16)):
+        if path:
+            measured = json.loads(Path(path).read_text().strip().splitlines()[-1])
+            reference[dt] = {k: (v["step_s"], v["rss_gb"]) for k, v in measured.items()}
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    peak = matmul_peak(4096) / 1e9  # float32 GFLOP/s
-    table = Table(title=f"LM step on {os.cpu_count()} cores, float32 matmul peak "
-                        f"{peak:.0f} GFLOP/s (4096^3 through XLA)")
-    for col in ("CI fn", "s/step", "tokens/s", "peak RSS GB", "gate peak GiB",
-                "matmul GFLOP/step", "analytic / gate", "GFLOP/s", "of peak", "ref s/step", "speed-up",
-                "ref RSS GB", "RSS ratio"):
+    dtypes = args.matmul_dtype or ["float32"]
+    peak = {dt: matmul_peak(4096, *PEAKS[dt]) / 1e9 for dt in dtypes}  # GFLOP/s
+    table = Table(title=f"LM step on {os.cpu_count()} cores; matmul peak (4096^3 through XLA) "
+                        + ", ".join(f"{dt} {v:.0f} GFLOP/s" for dt, v in peak.items()))
+    for col in ("CI fn", "matmul dtype", "s/step", "tokens/s", "peak RSS GB", "gate peak GiB",
+                "matmul GFLOP/step", "analytic / gate", "GFLOP/s", "of its peak",
+                "ref s/step", "speed-up", "ref RSS GB", "RSS ratio"):
         table.add_column(col, justify="right")
     rows = {}
-    for ci_fn in args.ci_fn or list(CI_FNS):
-        r = rows[ci_fn] = run_job(ci_fn, args.steps, args.model, args.data,
-                                  tuple(args.override))
-        rate = r["matmul_flops"] / r["step_s"] / 1e9
-        ref_s, ref_rss = reference[ci_fn]
-        table.add_row(ci_fn, f"{r['step_s']:.2f}", f"{r['tokens_per_s']:.0f}",
-                      f"{r['rss_gb']:.2f}", f"{r['gate_peak_gib']:.2f}",
-                      f"{r['matmul_flops'] / 1e9:.0f}",
-                      f"{r['analytic_flops'] / r['matmul_flops']:.4f}", f"{rate:.0f}", f"{rate / peak:.0%}",
-                      f"{ref_s:.2f}", f"{ref_s / r['step_s']:.2f}x", f"{ref_rss:.2f}",
-                      f"{r['rss_gb'] / ref_rss:.2f}x")
-    Console(width=220).print(table)
+    for dt in dtypes:
+        for ci_fn in args.ci_fn or list(CI_FNS):
+            r = rows[f"{ci_fn}/{dt}"] = run_job(ci_fn, args.steps, args.model, args.data,
+                                                (f"memory.matmul_dtype={dt}", *args.override))
+            rate = r["matmul_flops"] / r["step_s"] / 1e9
+            ref = reference[dt].get(ci_fn)
+            table.add_row(ci_fn, dt, f"{r['step_s']:.2f}", f"{r['tokens_per_s']:.0f}",
+                          f"{r['rss_gb']:.2f}", f"{r['gate_peak_gib']:.2f}",
+                          f"{r['matmul_flops'] / 1e9:.0f}",
+                          f"{r['analytic_flops'] / r['matmul_flops']:.4f}", f"{rate:.0f}",
+                          f"{rate / peak[dt]:.0%}",
+                          *((f"{ref[0]:.2f}", f"{ref[0] / r['step_s']:.2f}x", f"{ref[1]:.2f}",
+                             f"{r['rss_gb'] / ref[1]:.2f}x") if ref else ("-",) * 4))
+    Console(width=240).print(table)
     print(json.dumps({"matmul_peak_gflops": peak, "rows": rows}))
 
 

@@ -315,6 +315,11 @@ class MemoryConfig:
     donate: bool = True
     compute_dtype: DType = DType.float32
     target_dtype: DType = DType.float32  # storage of the frozen target
+    # The operands of the forwards' matmuls (the target's linears, attention and head, the
+    # components'), each product summed and returned in compute_dtype: bfloat16 here with
+    # compute_dtype float32 is mixed precision (matmuls at the bfloat16 units' rate; norms,
+    # softmaxes, masks and the losses in float32). None: compute_dtype.
+    matmul_dtype: DType | None = None
     # Rematerialization of each recon forward (a name in pdecomp.train.REMAT): none keeps
     # every activation for the backward; full keeps only the forward's inputs; save_dots keeps matmul
     # outputs; names keeps the tensors tagged `remat_names`; offload moves those to host.

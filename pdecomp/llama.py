@@ -22,7 +22,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
-from pdecomp.components import LinearFn, SiteLinear, frozen_linear
+from pdecomp.components import LinearFn, SiteLinear, dot, einsum, frozen_linear
 from pdecomp.config import LLAMA_ATTN as ATTN
 from pdecomp.config import LLAMA_MLP as MLP
 from pdecomp.config import ModelConfig, rope_problem
@@ -174,7 +174,7 @@ def apply_rope(x: Float[Array, "*b t h d"], cos: Array, sin: Array) -> Array:
 
 # What a scanned run of site layers keeps per layer for its backward when rematerialized
 # (`memory.site_layer_saves`), as a `jax.checkpoint` policy: `linears` every matmul
-# without a batch dimension (the frozen linears, the components', the deltas: attention,
+# without a batch dimension (the frozen linears and the components': attention,
 # norms and activations recomputed); `sites` only the components' inner activations and
 # each site's output (the frozen and delta linears recomputed too, a small share of the
 # FLOPs); `nothing` the layer's input alone (the components' matmuls recomputed as well).
@@ -236,9 +236,10 @@ class Llama(eqx.Module):
         return rope_tables(rope_inv_freq(cfg.d_head, cfg.rope_theta, cfg.rope_scaling), t)
 
     def block(self, h: Float[Array, "b t d"], w: dict[str, Any], rope: tuple[Array, Array],
-              linear: Callable[[str, Array, Array], Array]) -> Array:
+              linear: Callable[[str, Array, Array], Array], operand: Any = None) -> Array:
         """One decoder layer; `linear(name, x, W)` with name one of ATTN + MLP. A bias is
-        not decomposed: it is added to what the (decomposed or frozen) weight computes."""
+        not decomposed: it is added to what the (decomposed or frozen) weight computes.
+        `operand`: the attention's matmuls' operand dtype (`components.dot`)."""
         cfg, (cos, sin) = self.cfg, rope
         b, t, _ = h.shape
         n_h, n_kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.d_head
@@ -253,14 +254,14 @@ class Llama(eqx.Module):
         v = attn_proj("v_proj", x).reshape(b, t, n_kv, d)
         # grouped heads: query head h = g * rep + r reads kv head g
         q = q.reshape(b, t, n_kv, n_h // n_kv, d)
-        scores = jnp.einsum("bqgrd,bkgd->bgrqk", q, k) / math.sqrt(d)
+        scores = einsum("bqgrd,bkgd->bgrqk", q, k, operand) / math.sqrt(d)
         causal = jnp.tril(jnp.ones((t, t), bool))
         if "window" in w:  # a query sees its `window` latest keys, itself included
             pos = jnp.arange(t)
             causal &= (w["window"] == 0) | (pos[:, None] - pos[None, :] < w["window"])
         scores = jnp.where(causal, scores.astype(jnp.float32), -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        ctx = jnp.einsum("bgrqk,bkgd->bqgrd", probs, v).reshape(b, t, n_h * d)
+        ctx = einsum("bgrqk,bkgd->bqgrd", probs, v, operand).reshape(b, t, n_h * d)
         h = h + attn_proj("o_proj", ctx)
         x = rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
         gated = jax.nn.silu(linear("gate_proj", x, w["gate_proj"])) * linear("up_proj", x,
@@ -273,14 +274,16 @@ class Llama(eqx.Module):
 
     def run_layers(self, h: Array, start: int, stop: int, linear: LinearFn = frozen_linear,
                    hooked: Sequence[int] = (), streams: dict[int, Array] | None = None,
-                   remat: bool = False, saves: str = "linears") -> Array:
+                   remat: bool = False, saves: str = "linears", operand: Any = None
+                   ) -> Array:
         """Layers [start, stop): runs of the layers not in `hooked` under one scan each
         (compile time flat in depth), and so runs of hooked layers whose sites read alike
         when `linear` is a `SiteLinear`; other hooked layers unrolled with named sites.
         `streams`, when given, receives the residual stream entering each hooked layer.
         `remat`: a backward through the scanned layers recomputes each layer from its input
         instead of keeping every layer's activations (attention scores included) at once;
-        a run of site layers keeps what `saves` names in SITE_LAYER_SAVES."""
+        a run of site layers keeps what `saves` names in SITE_LAYER_SAVES. `operand`: the
+        frozen layers' matmuls' operand dtype (a `SiteLinear` carries the site layers')."""
         rope = self.rope(h.shape[1])
         i = start
         while i < stop:
@@ -290,7 +293,7 @@ class Llama(eqx.Module):
                 while j < stop and j in hooked and _reads(linear, j) == reads:
                     j += 1
                 h = (self._scan_sites(h, i, j, linear, rope, streams, remat, saves) if j - i > 1 else
-                     self._hooked(h, i, linear, rope, streams))
+                     self._hooked(h, i, linear, rope, streams, operand))
                 i = j
                 continue
             while j < stop and j not in hooked:
@@ -298,7 +301,7 @@ class Llama(eqx.Module):
 
             def body(carry, k):
                 return self.block(carry, self.layer(k), rope,
-                                  lambda _, x, W: frozen_linear("", x, W)), None
+                                  lambda _, x, W: dot(x, W, operand), operand), None
 
             # Over the layers' indices, each layer's weights read in place: scanned over
             # `self.layer(slice(i, j))`, XLA copied the run's weights out of the stack first
@@ -311,11 +314,12 @@ class Llama(eqx.Module):
         return h
 
     def _hooked(self, h: Array, i: int, linear: LinearFn, rope: tuple[Array, Array],
-                streams: dict[int, Array] | None) -> Array:
+                streams: dict[int, Array] | None, operand: Any) -> Array:
         """Layer i with its sites named `layers.i.<part>.<name>`."""
         if streams is not None:
             streams[i] = h
-        return self.block(h, self.layer(i), rope, lambda n, x, W: linear(site_name(i, n), x, W))
+        return self.block(h, self.layer(i), rope, lambda n, x, W: linear(site_name(i, n), x, W),
+                          operand)
 
     def _scan_sites(self, h: Array, i: int, j: int, linear: SiteLinear,
                     rope: tuple[Array, Array], streams: dict[int, Array] | None,
@@ -336,12 +340,12 @@ class Llama(eqx.Module):
 
             def site_linear(name: str, x: Array, W: Array) -> Array:
                 if name not in data:
-                    return frozen_linear("", x, W)
+                    return dot(x, W, linear.operand)
                 if recording:
                     seen[name] = x
-                return linear.apply(data[name], x, W)
+                return linear.apply(data[name], x, W, linear.operand)
 
-            out = self.block(carry, w, rope, site_linear)
+            out = self.block(carry, w, rope, site_linear, linear.operand)
             return out, (carry if streams is not None else None, seen)
 
         # `remat` here keeps what `saves` names (by default the layer's matmuls without a
@@ -359,7 +363,8 @@ class Llama(eqx.Module):
         return h
 
     def split(self, sites: Sequence[str], dtype: Any, remat_layers: bool = False,
-              site_layer_saves: str = "linears") -> tuple[Callable, Callable]:
+              site_layer_saves: str = "linears", matmul_dtype: Any = None
+              ) -> tuple[Callable, Callable]:
         """(prefix, suffix) around the first layer that holds a site.
 
         The prefix (embedding and the layers before it) runs once per batch outside every
@@ -369,31 +374,37 @@ class Llama(eqx.Module):
         `live` starts from the clean stream at its first live layer (the layers before it
         are all frozen, so the result is the same) and hooks only the live layers: a
         chunk's forward costs its own layers and those after it, not the whole suffix.
+        Every matmul of both takes `matmul_dtype` operands (`components.dot`; None: `dtype`).
         """
         hooked = sorted({site_layer(s) for s in sites})
         start = hooked[0]
 
+        op = matmul_dtype
+
         def prefix(tokens: Array) -> Array:
-            return self.run_layers(self.embed_tokens(tokens).astype(dtype), 0, start)
+            return self.run_layers(self.embed_tokens(tokens).astype(dtype), 0, start,
+                                   operand=op)
 
         def suffix(h: Array, linear: LinearFn = frozen_linear,
                    streams: dict[int, Array] | None = None,
                    live: Sequence[str] | None = None) -> Array:
+            if isinstance(linear, SiteLinear):
+                linear = replace(linear, operand=op)
             if live is None or not streams:
                 return self.logits(self.run_layers(h, start, self.n_layers, linear, hooked,
-                                                   streams, remat_layers, site_layer_saves))
+                                                   streams, remat_layers, site_layer_saves,
+                                                   op), op)
             live_layers = sorted({site_layer(s) for s in live})
             first = live_layers[0]
             return self.logits(self.run_layers(streams[first], first, self.n_layers, linear,
                                                live_layers, remat=remat_layers,
-                                               saves=site_layer_saves))
+                                               saves=site_layer_saves, operand=op), op)
 
         return prefix, suffix
 
-    def logits(self, h: Array) -> Float[Array, "b t vocab"]:
+    def logits(self, h: Array, operand: Any = None) -> Float[Array, "b t vocab"]:
         h = rms_norm(h, self.final_norm, self.cfg.rms_norm_eps)
-        head = self.embed.T if self.lm_head is None else self.lm_head
-        return h @ head.astype(h.dtype)
+        return dot(h, self.embed.T if self.lm_head is None else self.lm_head, operand)
 
     def __call__(self, tokens: Int[Array, "b t"], linear: LinearFn = frozen_linear,
                  hooked: Sequence[int] = ()) -> Array:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import jax
@@ -69,8 +70,36 @@ def kl(logits: Float[Array, "*pos V"], target_logprobs: Float[Array, "*pos V"]
 
     Takes the clean forward's log-probs (see `recon_target`), computed once per step rather
     than once per recon forward: one [*pos, V] fp32 tensor held for the step."""
-    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return jnp.mean(jnp.sum(jnp.exp(target_logprobs) * (target_logprobs - lp), axis=-1))
+    return _kl(logits.astype(jnp.float32), target_logprobs)
+
+
+@jax.custom_vjp
+def _kl(logits: Array, lt: Array) -> Array:
+    return _kl_fwd_values(logits, lt)[0]
+
+
+def _kl_fwd_values(logits: Array, lt: Array) -> tuple[Array, Array]:
+    # Σ p (lt − (logits − lse)) per position, lse the logits' logsumexp: read in passes over
+    # the logits that write nothing [*pos, V] (log_softmax wrote the log-probs first).
+    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    return jnp.mean(jnp.sum(jnp.exp(lt) * (lt - logits + lse), axis=-1)), lse
+
+
+def _kl_fwd(logits: Array, lt: Array) -> tuple[Array, tuple[Array, Array, Array]]:
+    value, lse = _kl_fwd_values(logits, lt)
+    return value, (logits, lt, lse)
+
+
+def _kl_bwd(res: tuple[Array, Array, Array], g: Array) -> tuple[Array, Array]:
+    # d/dlogits = softmax(logits) − p, one pass; autodiff of log_softmax took several, and
+    # wrote the log-probs' gradient before the logits'. d/dlt = p (lt − log q + 1).
+    logits, lt, lse = res
+    scale = g / math.prod(logits.shape[:-1])
+    p = jnp.exp(lt)
+    return (scale * (jnp.exp(logits - lse) - p), scale * p * (lt - logits + lse + 1.0))
+
+
+_kl.defvjp(_kl_fwd, _kl_bwd)
 
 
 def recon_target(distance: str, clean: Array) -> Array:

@@ -5,6 +5,7 @@ they read, and the check that a trained one represents every feature."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import equinox as eqx
@@ -13,14 +14,19 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from pdecomp import threefry
-from pdecomp.components import LinearFn, frozen_linear
+from pdecomp.components import LinearFn, SiteLinear, frozen_linear
 
 
-def _whole_forward(target, dtype: Any) -> tuple[Callable, Callable]:
+def _whole_forward(target, dtype: Any, matmul_dtype: Any) -> tuple[Callable, Callable]:
     """A toy's (prefix, suffix): no layer is worth skipping, so the prefix only casts and
-    every forward runs the whole model (the LM-only `streams` and `live` are ignored)."""
-    return (lambda x: x.astype(dtype)), lambda x, linear, streams=None, live=None: target(
-        x, linear)
+    every forward runs the whole model (the LM-only `streams` and `live` are ignored); its
+    sites' matmuls take `matmul_dtype` operands."""
+    def suffix(x, linear, streams=None, live=None):
+        if isinstance(linear, SiteLinear):
+            linear = replace(linear, operand=matmul_dtype)
+        return target(x, linear)
+
+    return (lambda x: x.astype(dtype)), suffix
 
 
 class TMS(eqx.Module):
@@ -40,9 +46,10 @@ class TMS(eqx.Module):
         return jax.nn.relu(linear("linear2", h, self.W.T) + self.b)
 
     def split(self, sites: Sequence[str], dtype: Any, remat_layers: bool = False,
-              site_layer_saves: str = "linears") -> tuple[Callable, Callable]:
+              site_layer_saves: str = "linears", matmul_dtype: Any = None
+              ) -> tuple[Callable, Callable]:
         del sites, remat_layers, site_layer_saves
-        return _whole_forward(self, dtype)
+        return _whole_forward(self, dtype, matmul_dtype)
 
     def _hidden_names(self) -> list[str]:
         n = len(self.hidden)
@@ -70,9 +77,10 @@ class ResidMLP(eqx.Module):
         return resid @ self.W_E.T
 
     def split(self, sites: Sequence[str], dtype: Any, remat_layers: bool = False,
-              site_layer_saves: str = "linears") -> tuple[Callable, Callable]:
+              site_layer_saves: str = "linears", matmul_dtype: Any = None
+              ) -> tuple[Callable, Callable]:
         del sites, remat_layers, site_layer_saves
-        return _whole_forward(self, dtype)
+        return _whole_forward(self, dtype, matmul_dtype)
 
     def site_weights(self) -> dict[str, Array]:
         out = {}

@@ -100,6 +100,7 @@ class StepSpec:
     eps: float
     total_steps: int
     compute_dtype: str
+    matmul_dtype: str | None  # the forwards' matmul operands (None: compute_dtype)
     remat: str
     remat_names: tuple[str, ...]
     microbatches: int
@@ -127,7 +128,7 @@ class StepSpec:
                         lo.faithfulness_coeff, lo.imp_min_coeff,
                         (lo.p_start, lo.p_end, lo.p_anneal_start_frac, lo.p_anneal_end_frac),
                         lo.beta, lo.eps, cfg.optim.steps, mem.compute_dtype,
-                        mem.remat, tuple(mem.remat_names), cfg.optim.microbatches,
+                        mem.matmul_dtype, mem.remat, tuple(mem.remat_names), cfg.optim.microbatches,
                         mem.stream_ci, mem.remat_layers, mem.site_layer_saves,
                         mem.offload_opt_state, lo.ci_threshold,
                         kind_of(cfg.model).positions(cfg.data, cfg.data.batch_size), cfg.optim)
@@ -447,7 +448,8 @@ class Pass:
         self.n_micro = plan.spec.microbatches
         self.prefix, self.suffix = target.split(self.spec.sites, plan.dtype,
                                                 self.spec.remat_layers,
-                                                self.spec.site_layer_saves)
+                                                self.spec.site_layer_saves,
+                                                self.spec.matmul_dtype)
         self.weights = target.site_weights()
         self.p = losses.p_at(state.step, self.spec.total_steps, *self.spec.p)
         # With one microbatch the clean forward runs once and every pass reads it.

@@ -266,6 +266,8 @@ def _validate_memory_and_gate(cfg: RunConfig) -> None:
         raise ConfigError("memory.safety_fraction", mem.safety_fraction, "must be in (0, 1]")
     _choice("memory.compute_dtype", mem.compute_dtype, DTYPES)
     _choice("memory.target_dtype", mem.target_dtype, DTYPES)
+    if mem.matmul_dtype is not None:
+        _choice("memory.matmul_dtype", mem.matmul_dtype, DTYPES)
 
     _choice("memory.remat", mem.remat, REMAT)
     _choice("memory.site_layer_saves", mem.site_layer_saves, SITE_LAYER_SAVES)

@@ -63,7 +63,8 @@ class Linear(eqx.Module):
         return {"proj": self.W}
 
     def split(self, sites: Sequence[str], dtype: Any, remat_layers: bool = False,
-              site_layer_saves: str = "linears") -> tuple[Callable, Callable]:
+              site_layer_saves: str = "linears", matmul_dtype: Any = None
+              ) -> tuple[Callable, Callable]:
         return (lambda x: x.astype(dtype)), lambda x, linear, streams=None, live=None: self(
             x, linear)
 

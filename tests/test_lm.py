@@ -3,6 +3,7 @@ PGD (scopes, ascent, averaged gradient, 1 vs 8 devices) and the state's checkpoi
 
 from __future__ import annotations
 
+import collections
 import dataclasses as dc
 import textwrap
 from collections.abc import Callable
@@ -220,6 +221,21 @@ def test_kl_is_fp32_zero_on_itself_and_matches_a_direct_sum():
     assert losses.kl(logits, target).dtype == jnp.float32
 
 
+def test_kl_gradients_equal_autodiff_of_its_definition():
+    """The KL's own backward (softmax(logits) − p, and the target's p (lt − log q + 1))
+    against autodiff of KL = Σ p (lt − log_softmax(logits)), in both arguments."""
+    logits = 4 * jax.random.normal(jax.random.PRNGKey(0), (3, 5, 97))
+    target = losses.recon_target("kl", 4 * jax.random.normal(jax.random.PRNGKey(1), (3, 5, 97)))
+
+    def written(x, lt):
+        return jnp.mean(jnp.sum(jnp.exp(lt) * (lt - jax.nn.log_softmax(x, axis=-1)), axis=-1))
+
+    for got, want in zip(jax.value_and_grad(losses.kl, argnums=(0, 1))(logits, target),
+                         jax.value_and_grad(written, argnums=(0, 1))(logits, target)):
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("scope,shape", [("global", (1, 1, 9)), ("batch_shared", (1, 8, 9)),
                                          ("per_example", (4, 8, 9))])
 def test_source_scopes(scope, shape):
@@ -347,6 +363,46 @@ def test_site_layer_saves_keep_the_numbers(setup, step, saves):
         state, target, tokens(cfg))[1]
     for k in ("loss/total", "loss/recon_chunkwise", "loss/pgd", "train/grad_norm/components"):
         assert float(got[k]) == pytest.approx(float(ref[k]), rel=1e-5), (saves, k)
+
+
+def _dot_operands(fn, *args) -> list[tuple[str, ...]]:
+    """The operand dtypes of every dot_general in fn's jaxpr, sub-jaxprs included."""
+    out = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                out.append(tuple(str(v.aval.dtype) for v in eqn.invars))
+            for v in eqn.params.values():
+                for w in v if isinstance(v, tuple | list) else (v,):
+                    if hasattr(getattr(w, "jaxpr", w), "eqns"):
+                        walk(getattr(w, "jaxpr", w))
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return out
+
+
+def test_matmul_dtype_runs_the_forwards_matmuls_in_it(setup, step):
+    """memory.matmul_dtype=bfloat16 on a float32 step: the target's and the components'
+    matmuls take bfloat16 operands (float32 products), faithfulness and the CI function
+    keep float32; the losses stay within bfloat16's rounding of the float32 step's."""
+    cfg, target, state = setup
+    mixed = make_train_step(StepSpec.from_config(tiny_cfg(matmul_dtype="bfloat16")))
+    ops = _dot_operands(mixed, state, target, tokens(cfg))
+    full = _dot_operands(make_train_step(StepSpec.from_config(cfg)), state, target,
+                         tokens(cfg))
+    assert set(full) == {("float32", "float32")}
+    # Forward and backward, no dot mixes the two dtypes (a float32 cotangent against a
+    # narrow operand runs at float32's rate); the float32 ones are the CI function's and
+    # faithfulness's alone, a minority.
+    counts = collections.Counter(ops)
+    assert set(counts) == {("bfloat16", "bfloat16"), ("float32", "float32")}, counts
+    assert counts["bfloat16", "bfloat16"] > 3 * counts["float32", "float32"], counts
+    ref = step(state, target, tokens(cfg))[1]
+    got = jax.jit(mixed)(state, target, tokens(cfg))[1]
+    for k in ("loss/total", "loss/recon_chunkwise", "loss/pgd", "loss/faithfulness"):
+        assert float(got[k]) == pytest.approx(float(ref[k]), rel=2e-2), k
+    assert float(got["loss/faithfulness"]) == float(ref["loss/faithfulness"])
 
 
 SCRIPT = textwrap.dedent("""

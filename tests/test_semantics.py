@@ -16,6 +16,8 @@ from pdecomp.components import (
     Components,
     SiteComponents,
     SiteMask,
+    dot,
+    einsum,
     frozen_linear,
     masked_linear,
     weight_deltas,
@@ -157,6 +159,27 @@ def test_live_site_computes_the_delta_channel_as_written():
     want = jax.value_and_grad(written, argnums=(0, 1, 2))(comps, mask, delta)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_narrow_dot_and_einsum_gradients():
+    """`dot` with bfloat16 operands of float32 inputs: float32 results forward and backward,
+    within bfloat16's rounding of the float32 matmul's value and gradients; `einsum` the
+    same; with no operand dtype, exactly x @ w."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (4, 8, 64))
+    w = jax.random.normal(jax.random.PRNGKey(1), (64, 32))
+
+    def loss(f):
+        return lambda x, w: jnp.sum(jnp.sin(f(x, w)))
+
+    for narrow, full in ((lambda x, w: dot(x, w, jnp.bfloat16), lambda x, w: x @ w),
+                         (lambda x, w: einsum("btk,kn->btn", x, w, "bfloat16"),
+                          lambda x, w: jnp.einsum("btk,kn->btn", x, w))):
+        got = jax.value_and_grad(loss(narrow), argnums=(0, 1))(x, w)
+        want = jax.value_and_grad(loss(full), argnums=(0, 1))(x, w)
+        for g, v in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert g.dtype == jnp.float32
+            np.testing.assert_allclose(g, v, rtol=0.1, atol=0.1 * float(jnp.abs(v).mean()))
+    np.testing.assert_array_equal(dot(x, w), x @ w)
 
 
 def test_uniform_k_routes_between_one_and_all_live_sites():
