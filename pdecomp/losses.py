@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, Float
 
 
@@ -75,31 +77,34 @@ def kl(logits: Float[Array, "*pos V"], target_logprobs: Float[Array, "*pos V"]
 
 @jax.custom_vjp
 def _kl(logits: Array, lt: Array) -> Array:
-    return _kl_fwd_values(logits, lt)[0]
-
-
-def _kl_fwd_values(logits: Array, lt: Array) -> tuple[Array, Array]:
-    # Σ p (lt − (logits − lse)) per position, lse the logits' logsumexp: read in passes over
-    # the logits that write nothing [*pos, V] (log_softmax wrote the log-probs first).
     lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-    return jnp.mean(jnp.sum(jnp.exp(lt) * (lt - logits + lse), axis=-1)), lse
+    return jnp.mean(jnp.sum(jnp.exp(lt) * (lt - logits + lse), axis=-1))
 
 
-def _kl_fwd(logits: Array, lt: Array) -> tuple[Array, tuple[Array, Array, Array]]:
-    value, lse = _kl_fwd_values(logits, lt)
-    return value, (logits, lt, lse)
+def _kl_fwd(logits: Any, lt: Any) -> tuple[Array, tuple[Array, Array | None]]:
+    # Σ p (lt − (logits − lse)) per position with its gradient in the logits, softmax − p,
+    # taken in the same passes over the [*pos, V] logits and kept for the backward instead
+    # of them: the vocabulary's exps once each (autodiff of log_softmax wrote the
+    # log-probs, then took them again, and p twice more).
+    x, t = logits.value, lt.value
+    e = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
+    s = jnp.sum(e, axis=-1, keepdims=True)
+    p = jnp.exp(t)
+    kl_terms = p * (t - x + (jnp.log(s) + jnp.max(x, axis=-1, keepdims=True)))
+    n = math.prod(x.shape[:-1])
+    # d/dlt = p (lt − log q + 1), when asked for (the clean target is not, in a step)
+    return (jnp.sum(kl_terms) / n,
+            ((e / s - p) / n, (kl_terms + p) / n if lt.perturbed else None))
 
 
-def _kl_bwd(res: tuple[Array, Array, Array], g: Array) -> tuple[Array, Array]:
-    # d/dlogits = softmax(logits) − p, one pass; autodiff of log_softmax took several, and
-    # wrote the log-probs' gradient before the logits'. d/dlt = p (lt − log q + 1).
-    logits, lt, lse = res
-    scale = g / math.prod(logits.shape[:-1])
-    p = jnp.exp(lt)
-    return (scale * (jnp.exp(logits - lse) - p), scale * p * (lt - logits + lse + 1.0))
+def _kl_bwd(res: tuple[Array, Array | None], g: Any) -> tuple[Array | None, Array | None]:
+    d_logits, d_lt = res
+    if isinstance(g, SymbolicZero):
+        return None, None
+    return g * d_logits, None if d_lt is None else g * d_lt
 
 
-_kl.defvjp(_kl_fwd, _kl_bwd)
+_kl.defvjp(_kl_fwd, _kl_bwd, symbolic_zeros=True)
 
 
 def recon_target(distance: str, clean: Array) -> Array:
