@@ -176,7 +176,7 @@ def apply_rope(x: Float[Array, "*b t h d"], cos: Array, sin: Array) -> Array:
 # (`memory.site_layer_saves`), as a `jax.checkpoint` policy: `linears` every matmul
 # without a batch dimension (the frozen linears and the components': attention,
 # norms and activations recomputed); `sites` only the components' inner activations and
-# each site's output (the frozen and delta linears recomputed too, a small share of the
+# each site's output (the frozen linears recomputed too, a small share of the
 # FLOPs); `nothing` the layer's input alone (the components' matmuls recomputed as well).
 # In order of what they keep, most first (a refusal names those after the run's).
 _cp = jax.checkpoint_policies

@@ -42,6 +42,7 @@ CASES = [
     ("feature-prob-above-one", ["model.feature_prob=1.5"], "model.feature_prob"),
     ("bad-distance", ["loss.distance=l1"], "loss.distance"),
     ("bad-compute-dtype", ["memory.compute_dtype=float8"], "memory.compute_dtype"),
+    ("bad-matmul-dtype", ["memory.matmul_dtype=int8"], "memory.matmul_dtype"),
     ("bad-gate-target", ["gate.target=tpu"], "gate.target"),
     ("bad-value-inside-sweep", ["-m", "layers.C=5,0,10"], "layers.C"),
     ("bad-type-inside-sweep", ["-m", "data.batch_size=128,big"], "data.batch_size"),
