@@ -414,6 +414,10 @@ def step(plan: StepPlan, state: TrainState, target, batch: Array) -> tuple[Train
     init = ps.zeros_like((params, aux))
     (g_comp, g_ci, g_src), (terms, l0) = ps.over_microbatches(accumulate, init)
     g_comp = jax.tree.map(lambda a, b: a + spec.faith_coeff * b, g_comp, g_faith)
+    # Materialised before the clip and the norm read them: at a batch of one, XLA:CPU fused
+    # the whole of a toy's gradient into the norm's scalar reduction, a fusion LLVM did not
+    # finish compiling in half an hour.
+    g_comp = jax.lax.optimization_barrier(g_comp)
     terms = {"faithfulness": faith,
              "imp_min": terms.pop("imp_min") if imp_grad is None else imp_value, **terms}
     terms["total"] = (spec.faith_coeff * faith + spec.imp_coeff * terms["imp_min"]
