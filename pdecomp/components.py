@@ -109,7 +109,7 @@ def frozen_linear(site: str, x: Array, W: Array) -> Array:
 
 @dataclass(frozen=True)
 class SiteLinear:
-    """A linear fn as data and one rule: site s computes `apply(data[s], x, W)`; a site
+    """A linear fn as data and one rule: site s computes `apply(data[s], x, W, operand)`; a site
     without data runs frozen. With `record`, the sites in `data` also store their input
     there (filled while tracing). A caller that runs several layers under one scan stacks
     their sites' `data` and calls `apply` in the body (llama.Llama.run_layers)."""
