@@ -65,6 +65,14 @@ def analytic_flops(ci_fn: str, model: str | None, data: str | None,
                                         preset="smollm2_l28"))).values())
 
 
+def allocator() -> str:
+    """The C allocator the rows run under: a preloaded one, or glibc's malloc. It moves the
+    step by up to 17% and the 4096^3 peak by 16-24% on this host (bench/RESULTS.md): XLA:CPU
+    maps its large per-call buffers anew on every call under glibc."""
+    preload = os.environ.get("LD_PRELOAD", "").split()
+    return ", ".join(Path(p).name for p in preload) if preload else "glibc malloc"
+
+
 def run_job(ci_fn: str, steps: int, model: str | None, data: str | None,
             extra: tuple[str, ...] = ()) -> dict:
     pdecomp = str(Path(sys.executable).parent / "pdecomp")
@@ -113,8 +121,9 @@ def main() -> None:
     dtypes = args.matmul_dtype or ["float32"]
     peak = {dt: matmul_peak(4096, PEAKS[dt][0], accumulate=PEAKS[dt][1]) / 1e9
             for dt in dtypes}  # GFLOP/s
-    table = Table(title=f"LM step on {os.cpu_count()} cores; matmul peak (4096^3 through XLA) "
-                        + ", ".join(f"{dt} {v:.0f} GFLOP/s" for dt, v in peak.items()))
+    table = Table(title=f"LM step on {os.cpu_count()} cores, {allocator()}; matmul peak (4096^3 "
+                        "through XLA) " + ", ".join(f"{dt} {v:.0f} GFLOP/s"
+                                                   for dt, v in peak.items()))
     for col in ("CI fn", "matmul dtype", "s/step", "tokens/s", "peak RSS GB", "gate peak GiB",
                 "matmul GFLOP/step", "analytic / gate", "GFLOP/s", "of its peak",
                 "ref s/step", "speed-up", "ref RSS GB", "RSS ratio"):
@@ -134,7 +143,7 @@ def main() -> None:
                           *((f"{ref[0]:.2f}", f"{ref[0] / r['step_s']:.2f}x", f"{ref[1]:.2f}",
                              f"{r['rss_gb'] / ref[1]:.2f}x") if ref else ("-",) * 4))
     Console(width=240).print(table)
-    print(json.dumps({"matmul_peak_gflops": peak, "rows": rows}))
+    print(json.dumps({"allocator": allocator(), "matmul_peak_gflops": peak, "rows": rows}))
 
 
 if __name__ == "__main__":

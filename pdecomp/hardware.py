@@ -44,6 +44,8 @@ def keep_freed_host_memory() -> bool:
     threshold with fresh mappings and unmaps them on free, so every step page-faults its
     temporaries in again: with TMS 5-2 at batch 4096 that was 40% of the step (19.9 ms →
     11.9 ms with blocks reused). The process's resident memory stays at its peak instead.
+    Blocks over 64 MiB that XLA allocates on its own threads are out of its reach: each
+    thread's arena is at most that, so they are fresh mappings every step (docs/cli.md).
     Returns False where the C library is not glibc (nothing changed).
     """
     try:
