@@ -114,7 +114,7 @@ def recon_target(distance: str, clean: Array) -> Array:
         return clean
     # The logits whole before their log-softmax: XLA:CPU fused the row maximum into the
     # head's matmul, which then ran at 190 GFLOP/s against the masked head's 240 (the
-    # SmolLM2 step 1.6-3.1% faster without that fusion, back-to-back pairs in RESULTS.md).
+    # SmolLM2 step 1.6-3.1% faster without it: back-to-back pairs in bench/RESULTS.md).
     clean = jax.lax.optimization_barrier(clean)
     return jax.nn.log_softmax(clean.astype(jnp.float32), axis=-1)
 
