@@ -100,9 +100,11 @@ def _discard(run_dir: Path) -> None:
 
 
 def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
-    # Before JAX starts its backend: the GPU allocator gets the memory the gate caps at.
-    from pdecomp.hardware import export_job_memory
+    # Before JAX starts its backend: the GPU allocator gets the memory the gate caps at, and
+    # a CPU program's temporaries come from the calling thread's reusable heap.
+    from pdecomp.hardware import export_job_memory, run_host_programs_inline
     export_job_memory(float(dict_cfg.memory.safety_fraction))
+    run_host_programs_inline()
     # In a SLURM job every task runs this; they become one JAX runtime before JAX starts.
     in_slurm = cluster.in_slurm_job()
     ranks = cluster.job_ranks()
