@@ -55,7 +55,7 @@ def keep_freed_host_memory() -> bool:
         return False
     # A fixed threshold (1 GiB) also stops glibc from adapting it back down.
     return all(libc.mallopt(param, value) == 1 for param, value in (
-        (_M_MMAP_THRESHOLD, 1 << 30), (_M_TRIM_THRESHOLD, (1 << 31) - 1),
+        (_M_MMAP_THRESHOLD, (1 << 31) - 1), (_M_TRIM_THRESHOLD, (1 << 31) - 1),
         (_M_TOP_PAD, 64 << 20)))
 
 
