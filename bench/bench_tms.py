@@ -29,7 +29,8 @@ STEP_SCRIPT = textwrap.dedent("""
     from pdecomp.train import StepSpec, init_state, make_train_step
     cfg = RunConfig()
     cfg = dataclasses.replace(cfg, layers=dataclasses.replace(cfg.layers, ci_fn=sys.argv[1]))
-    hardware.keep_freed_host_memory()  # as a `pdecomp` job does for CPU training
+    hardware.run_host_programs_inline()  # as a `pdecomp` job does for CPU training
+    hardware.keep_freed_host_memory()
     mesh = Mesh(np.array(jax.devices()), ("data",))
     rep, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     target = jax.device_put(targets.init_target(jax.random.PRNGKey(0), cfg.model), rep)

@@ -1,0 +1,60 @@
+"""A CPU job's temporaries are reused from step to step, not mapped and faulted in anew."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+# jax_versions: where XLA:CPU runs a program, and so allocates its temporaries, is the
+# runtime's choice, version by version
+pytestmark = pytest.mark.jax_versions
+
+# One program, run three times after a warm-up, with a 256 MiB temporary it must hold whole
+# (the outer product feeds a matmul): minor page faults per run, in a fresh process so the
+# settings precede JAX's CPU backend as they do in a `pdecomp` job (launcher/job.py).
+SCRIPT = textwrap.dedent("""
+    import json, resource, sys
+    import jax, jax.numpy as jnp
+    from pdecomp import hardware
+    if sys.argv[1] == "inline":
+        hardware.run_host_programs_inline()
+    glibc = hardware.keep_freed_host_memory()
+    f = jax.jit(lambda x: (jnp.outer(x, x) @ x[:, None]).sum())
+    x = jnp.linspace(0, 1, 8192)
+    f(x).block_until_ready()
+
+    def faults():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+    before = faults()
+    for _ in range(3):
+        f(x).block_until_ready()
+    print(json.dumps({"glibc": glibc, "faults_per_run": (faults() - before) / 3}))
+""")
+PAGES = 8192 * 8192 * 4 // 4096  # the temporary, in 4 KiB pages
+
+
+def _faults(mode: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True,
+                         check=True, env=env).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_a_cpu_job_reuses_its_temporaries():
+    """XLA:CPU runs a program on a worker thread by default, where glibc maps any block
+    over 64 MiB anew each time; run inline, the block comes from the main arena, which
+    `keep_freed_host_memory` keeps. The default mode is the control: it shows the faults
+    this test would catch if the setting stopped reaching the allocation."""
+    inline = _faults("inline")
+    if not inline["glibc"]:
+        pytest.skip("not glibc: keep_freed_host_memory changes nothing here")
+    default = _faults("default")
+    assert inline["faults_per_run"] < PAGES / 8, (inline, default, PAGES)
+    print(f"faults per run: inline {inline['faults_per_run']:.0f}, "
+          f"default {default['faults_per_run']:.0f} (temporary: {PAGES} pages)")
