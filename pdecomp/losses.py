@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 
 def faithfulness(deltas: Mapping[str, Array]) -> Float[Array, ""]:
@@ -121,8 +121,15 @@ def recon_target(distance: str, clean: Array) -> Array:
 
 def cross_entropy(logits: Float[Array, "b t V"], tokens: Array) -> Float[Array, ""]:
     """Next-token CE (nats), mean over the positions that have a next token, fp32."""
-    lp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-    return -jnp.mean(jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1))
+    return next_token_nll(jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1),
+                          tokens)
+
+
+def next_token_nll(logprobs: Float[Array, "b s V"], tokens: Int[Array, "b t"]
+                   ) -> Float[Array, ""]:
+    """`cross_entropy` from log-probs already taken: those of the positions that have a next
+    token (a KL target's, sliced `[:, :-1]`)."""
+    return -jnp.mean(jnp.take_along_axis(logprobs, tokens[:, 1:, None], axis=-1))
 
 
 DISTANCES = {"mse": mse, "kl": kl}

@@ -110,7 +110,8 @@ def mask_metrics_program(sites: tuple[str, ...], threshold: float, delta: bool, 
         logits = ci_fn({s: record[s] for s in sites}, components)
         lower = {s: ci_lower(v) for s, v in logits.items()}
         clean_lp = losses.recon_target("kl", clean)
-        out = {"ce/target": losses.cross_entropy(clean, tokens)}
+        # The target's CE from the KL's log-probs: one log-softmax over the vocabulary, not two
+        out = {"ce/target": losses.next_token_nll(clean_lp[:, :-1], tokens)}
         # One masked forward at a time (lax.map over the kinds' stacked masks): unrolled,
         # XLA keeps every kind's vocabulary-sized logits alive at once, several times the
         # training step's peak at LM sizes.

@@ -221,6 +221,19 @@ def test_kl_is_fp32_zero_on_itself_and_matches_a_direct_sum():
     assert losses.kl(logits, target).dtype == jnp.float32
 
 
+def test_ce_from_the_kl_targets_log_probs_equals_it_from_the_logits():
+    """Evaluation's `ce/target` reads the KL target's log-probs instead of taking a second
+    log-softmax: the same CE, against one taken by hand in float64."""
+    logits = 4 * jax.random.normal(jax.random.PRNGKey(0), (3, 7, 97))
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (3, 7), 0, 97)
+    lp = jax.nn.log_softmax(np.asarray(logits, np.float64), axis=-1)
+    by_hand = -np.mean(np.take_along_axis(np.asarray(lp)[:, :-1], np.asarray(tokens)[:, 1:, None],
+                                          axis=-1))
+    from_target = losses.next_token_nll(losses.recon_target("kl", logits)[:, :-1], tokens)
+    assert float(from_target) == pytest.approx(by_hand, rel=1e-6)
+    assert float(from_target) == float(losses.cross_entropy(logits, tokens))
+
+
 def test_kl_gradients_equal_autodiff_of_its_definition():
     """The KL's own backward (softmax(logits) − p, and the target's p (lt − log q + 1))
     against autodiff of KL = Σ p (lt − log_softmax(logits)), in both arguments."""
