@@ -14,11 +14,15 @@ import pytest
 # runtime's choice, version by version
 pytestmark = pytest.mark.jax_versions
 
-# One program, run three times after a warm-up, with a 256 MiB temporary it must hold whole
-# (the outer product feeds a matmul): minor page faults per run, in a fresh process so the
-# settings precede JAX's CPU backend as they do in a `pdecomp` job (launcher/job.py).
+# One program with a 256 MiB temporary it must hold whole (the outer product feeds a
+# matmul), run 32 times: minor page faults per run, in a fresh process so the settings
+# precede JAX's CPU backend as they do in a `pdecomp` job (launcher/job.py). Inline, the
+# first runs may still fault: a run's temporaries are sometimes freed only after the next
+# run has allocated its own, and the heap grows by a block until it holds enough of them
+# (up to eight runs here; after four, the process held 1.5 GB against 0.5); the median of
+# the last nine reads the steady state.
 SCRIPT = textwrap.dedent("""
-    import json, resource, sys
+    import json, resource, statistics, sys
     import jax, jax.numpy as jnp
     from pdecomp import hardware
     if sys.argv[1] == "inline":
@@ -26,15 +30,13 @@ SCRIPT = textwrap.dedent("""
     glibc = hardware.keep_freed_host_memory()
     f = jax.jit(lambda x: (jnp.outer(x, x) @ x[:, None]).sum())
     x = jnp.linspace(0, 1, 8192)
-    f(x).block_until_ready()
-
-    def faults():
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-    before = faults()
-    for _ in range(3):
+    faults = []
+    for _ in range(32):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         f(x).block_until_ready()
-    print(json.dumps({"glibc": glibc, "faults_per_run": (faults() - before) / 3}))
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    print(json.dumps({"glibc": glibc, "faults": faults,
+                      "median": statistics.median(faults[-9:])}))
 """)
 PAGES = 8192 * 8192 * 4 // 4096  # the temporary, in 4 KiB pages
 
@@ -55,6 +57,6 @@ def test_a_cpu_job_reuses_its_temporaries():
     if not inline["glibc"]:
         pytest.skip("not glibc: keep_freed_host_memory changes nothing here")
     default = _faults("default")
-    assert inline["faults_per_run"] < PAGES / 8, (inline, default, PAGES)
-    print(f"faults per run: inline {inline['faults_per_run']:.0f}, "
-          f"default {default['faults_per_run']:.0f} (temporary: {PAGES} pages)")
+    assert inline["median"] < PAGES / 8, (inline, default, PAGES)
+    print(f"faults per run: inline {inline['faults']}, default {default['faults']} "
+          f"(temporary: {PAGES} pages)")
