@@ -73,10 +73,11 @@ def run_host_programs_inline() -> None:
     which keeps it: 49,000 faults and 2.25 -> 1.98 s per step (bench/RESULTS.md). The cost
     is that Python no longer runs ahead of the host's computation, which a training step
     that waits on nothing between steps does not use. And the heap may hold a few copies
-    of such a block: a program's block is sometimes freed only after the next run has
-    taken its own, and the heap grows until it holds enough. A 50 ms program run back to
-    back grew by up to 8 blocks (tests/test_host_memory.py); the SmolLM2 step, 2 s apart,
-    by none in 31 steps (2.32 GB resident throughout). No effect once the backend exists,
+    of such a block: in some processes glibc grows the heap by a block for several runs
+    before it reuses a freed one (why is not known: a 50 ms pause between runs did not
+    prevent it). A 50 ms program grew it by up to 8 blocks (tests/test_host_memory.py);
+    the SmolLM2 step by none in 31 steps (2.32 GB resident throughout). No effect once the
+    backend exists,
     nor on an accelerator's programs; process-wide, so the front end's to ask for.
     """
     jax.config.update("jax_cpu_enable_async_dispatch", False)

@@ -17,10 +17,9 @@ pytestmark = pytest.mark.jax_versions
 # One program with a 256 MiB temporary it must hold whole (the outer product feeds a
 # matmul), run 32 times: minor page faults per run, in a fresh process so the settings
 # precede JAX's CPU backend as they do in a `pdecomp` job (launcher/job.py). Inline, the
-# first runs may still fault: a run's temporaries are sometimes freed only after the next
-# run has allocated its own, and the heap grows by a block until it holds enough of them
-# (up to eight runs here; after four, the process held 1.5 GB against 0.5); the median of
-# the last nine reads the steady state.
+# first runs may still fault: in some processes glibc grows its heap by a block for several
+# runs before it reuses a freed one (up to eight here; after four, the process held 1.5 GB
+# against 0.5); the median of the last nine reads the steady state.
 SCRIPT = textwrap.dedent("""
     import json, resource, statistics, sys
     import jax, jax.numpy as jnp
