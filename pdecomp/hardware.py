@@ -77,8 +77,8 @@ def run_host_programs_inline() -> None:
     before it reuses a freed one (why is not known: a 50 ms pause between runs did not
     prevent it). A 50 ms program grew it by up to 8 blocks (tests/test_host_memory.py);
     the SmolLM2 step by none in 31 steps (2.32 GB resident throughout). No effect once the
-    backend exists,
-    nor on an accelerator's programs; process-wide, so the front end's to ask for.
+    backend exists, nor on an accelerator's programs; process-wide, so the front end's to
+    ask for.
     """
     jax.config.update("jax_cpu_enable_async_dispatch", False)
 

@@ -50,12 +50,11 @@ def _faults(mode: str) -> dict:
 def test_a_cpu_job_reuses_its_temporaries():
     """XLA:CPU runs a program on a worker thread by default, where glibc maps any block
     over 64 MiB anew each time; run inline, the block comes from the main arena, which
-    `keep_freed_host_memory` keeps. The default mode is the control: it shows the faults
-    this test would catch if the setting stopped reaching the allocation."""
+    `keep_freed_host_memory` keeps. On a failure the default mode runs too, as the control
+    (every run faults all the temporary's pages in: 65,545 of 65,536 here)."""
     inline = _faults("inline")
     if not inline["glibc"]:
         pytest.skip("not glibc: keep_freed_host_memory changes nothing here")
-    default = _faults("default")
-    assert inline["median"] < PAGES / 8, (inline, default, PAGES)
-    print(f"faults per run: inline {inline['faults']}, default {default['faults']} "
-          f"(temporary: {PAGES} pages)")
+    if inline["median"] >= PAGES / 8:
+        pytest.fail(f"faults per run inline {inline['faults']}, XLA's default "
+                    f"{_faults('default')['faults']} (the temporary: {PAGES} pages)")
