@@ -106,7 +106,10 @@ def _route_uniform_k(key: PRNGKeyArray, live: tuple[str, ...], pos: tuple[int, .
     k = 1 + jnp.minimum(_uniform(k_key, (*pos, 1), at)[..., 0] * n, n - 1).astype(jnp.int32)
     # A random rank per site (argsort of uniforms) picks a uniform subset of size k.
     ranks = jnp.argsort(jnp.argsort(_uniform(perm_key, (*pos, n), at), axis=-1), axis=-1)
-    routed = ranks < k[..., None]
+    # Materialised once: fused into its consumers, XLA:CPU recomputed the draws above for
+    # every channel each site's routing broadcasts to (C times the draws: in the SmolLM2
+    # step, the transposes of the masks' backward did).
+    routed = jax.lax.optimization_barrier(ranks < k[..., None])
     return {s: routed[..., i] for i, s in enumerate(live)}
 
 
