@@ -74,7 +74,7 @@ def run_host_programs_inline() -> None:
     is that Python no longer runs ahead of the host's computation, which a training step
     that waits on nothing between steps does not use. And the heap may hold a few copies
     of such a block. XLA asks for 64-byte-aligned blocks; glibc (2.36 here) puts the small
-    pieces it trims off an aligned block into its per-thread cache, where they never merge
+    pieces it trims off an aligned block into its per-thread cache, where they do not merge
     with the block once it is freed, so the freed block is a few bytes short of the same
     request, which extends the heap instead, until neighbouring blocks merge (glibc bug
     30723, mended upstream in 2023). Whether pieces are trimmed depends on where the heap
