@@ -34,9 +34,9 @@ def parse_variant(text: str) -> tuple[str, list[str], dict[str, Any]]:
     opts: dict[str, Any] = {}
     for item in filter(None, options.split(",")):
         key, _, value = item.partition("=")
-        opts[key] = {"true": True, "false": False}.get(value.lower(), value)
-        if isinstance(opts[key], str) and value.lstrip("-").isdigit():
-            opts[key] = int(value)
+        bools = {"true": True, "false": False}
+        opts[key] = (bools[value.lower()] if value.lower() in bools
+                     else int(value) if value.lstrip("-").isdigit() else value)
     return name, [o for o in overrides.split(",") if o], opts
 
 
@@ -58,7 +58,7 @@ def main() -> None:
 
     hardware.run_host_programs_inline()  # as a `pdecomp` job runs CPU programs
     from launcher import api
-    from pdecomp import run
+    from pdecomp import run, sharding
     from pdecomp.kinds import kind_of
     from pdecomp.train import make_train_step
 
@@ -78,7 +78,10 @@ def main() -> None:
             state, _ = run.initial_state(g.cfg, g, target, ckpt, print)
             sample = kind_of(g.cfg.model).batch_sampler(g.cfg.model, g.cfg.data, g.cfg.seed,
                                                         g.batch_sharding, g.data_key)
-            step = jax.jit(make_train_step(g.spec)).lower(state, target, sample(0))
+            # The gate's step (its layout pins the [*pos, C] tensors), without donation: every
+            # reading starts from the same state.
+            layout = sharding.make_layout(g.cfg.mesh, g.mesh)
+            step = jax.jit(make_train_step(g.spec, layout)).lower(state, target, sample(0))
             variants[name] = (step.compile(options or None), state, target, sample)
     hardware.keep_freed_host_memory()  # after loading, as `decompose` does
 

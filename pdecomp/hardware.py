@@ -72,17 +72,13 @@ def run_host_programs_inline() -> None:
     287,000 pages in anew every step. Run inline, the block comes from the main arena,
     which keeps it: 49,000 faults and 2.25 -> 1.98 s per step (bench/RESULTS.md). The cost
     is that Python no longer runs ahead of the host's computation, which a training step
-    that waits on nothing between steps does not use. And the heap may hold a few copies
-    of such a block. XLA asks for 64-byte-aligned blocks; glibc (2.36 here) puts the small
-    pieces it trims off an aligned block into its per-thread cache, where they do not merge
-    with the block once it is freed, so the freed block is a few bytes short of the same
-    request, which extends the heap instead, until neighbouring blocks merge (glibc bug
-    30723, mended upstream in 2023). Whether pieces are trimmed depends on where the heap
-    starts, so some processes do this and others not: of 24 processes running
-    tests/test_host_memory.py's program, 7 grew, by 21 blocks of 256 MiB in all; with the
-    cache off (`GLIBC_TUNABLES=glibc.malloc.tcache_count=0`, read at process start) none
-    of 24 did. The SmolLM2 step grew by none in 31 steps. No effect once the backend
-    exists, nor on an accelerator's programs; process-wide, so the front end's to ask for.
+    that waits on nothing between steps does not use. And in some processes the heap
+    holds a few extra copies of such a block: glibc before its 2023 mend (bug 30723) keeps
+    the pieces it trims off XLA's 64-byte-aligned blocks in its per-thread cache, unmerged,
+    so a freed block falls a few bytes short of the next identical request (docs/cli.md:
+    the figures, and the remedy for a job at the edge of host memory). No effect once the
+    backend exists, nor on an accelerator's programs; process-wide, so the front end's to
+    ask for.
     """
     jax.config.update("jax_cpu_enable_async_dispatch", False)
 

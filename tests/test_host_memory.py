@@ -18,9 +18,8 @@ pytestmark = pytest.mark.jax_versions
 # matmul), run 32 times: minor page faults per run, in a fresh process so the settings
 # precede JAX's CPU backend as they do in a `pdecomp` job (launcher/job.py). Inline, the
 # first runs may still fault: in some processes glibc grows its heap by a block for several
-# runs before it reuses a freed one (7 of 24 processes, by 21 blocks in all; why: the
-# docstring of `hardware.run_host_programs_inline`); the median of the last nine reads the
-# steady state.
+# runs before it reuses a freed one (7 of 24 processes, by 21 blocks in all; why: docs/cli.md,
+# the host-memory paragraphs); the median of the last nine reads the steady state.
 SCRIPT = textwrap.dedent("""
     import json, resource, statistics, sys
     import jax, jax.numpy as jnp
