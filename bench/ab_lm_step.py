@@ -58,9 +58,13 @@ def main() -> None:
 
     hardware.run_host_programs_inline()  # as a `pdecomp` job runs CPU programs
     from launcher import api
-    from pdecomp import run, sharding
-    from pdecomp.kinds import kind_of
+    from pdecomp import sharding
+    from pdecomp.checkpoint import Checkpointer
+    from pdecomp.gating import gate
+    from pdecomp.resolve import resolve
+    from pdecomp.shapes import load_target
     from pdecomp.train import make_train_step
+    from pdecomp.training import initial_state
 
     variants, targets = {}, {}
     with tempfile.TemporaryDirectory() as d:
@@ -69,19 +73,19 @@ def main() -> None:
             cfg = api.compose(["optim.steps=100", *job_args(args.ci_fn, args.model, args.data),
                                *overrides], preset="smollm2_l28")
             (Path(d) / name).mkdir()
-            g = run.gate(cfg, Path(d) / name, run.Hooks(log=lambda s: None))
+            g = gate(resolve(cfg, len(jax.devices())), Path(d) / name, False, lambda s: None)
             key = str(jax.tree.map(lambda a: (a.shape, a.dtype), g.target_abs))
             if key not in targets:  # one copy of the frozen target per layout
-                targets[key] = run.load_target(g.cfg, g.target_abs, print)[0]
+                targets[key] = load_target(g.run, g.target_abs, print)[0]
             target = targets[key]
-            ckpt = run.Checkpointer(Path(d) / name / "ckpt", writer=True)
-            state, _ = run.initial_state(g.cfg, g, target, ckpt, print)
-            sample = kind_of(g.cfg.model).batch_sampler(g.cfg.model, g.cfg.data, g.cfg.seed,
-                                                        g.batch_sharding, g.data_key)
+            ckpt = Checkpointer(Path(d) / name / "ckpt", writer=True)
+            state, _ = initial_state(g, target, ckpt, print)
+            r = g.run
+            sample = r.kind.batch_sampler(r.model, r.data, r.seed, g.batch_sharding, g.data_key)
             # The gate's step (its layout pins the [*pos, C] tensors), without donation: every
             # reading starts from the same state.
-            layout = sharding.make_layout(g.cfg.mesh, g.mesh)
-            step = jax.jit(make_train_step(g.spec, layout)).lower(state, target, sample(0))
+            layout = sharding.make_layout(r.placement.mesh, g.mesh)
+            step = jax.jit(make_train_step(r.step, layout)).lower(state, target, sample(0))
             variants[name] = (step.compile(options or None), state, target, sample)
     hardware.keep_freed_host_memory()  # after loading, as `decompose` does
 

@@ -26,7 +26,8 @@ STEP_SCRIPT = textwrap.dedent("""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from pdecomp import hardware, targets, toys
     from pdecomp.config import RunConfig
-    from pdecomp.train import StepSpec, init_state, make_train_step
+    from pdecomp.resolve import resolve
+    from pdecomp.train import init_state, make_train_step
     cfg = RunConfig()
     cfg = dataclasses.replace(cfg, layers=dataclasses.replace(cfg.layers, ci_fn=sys.argv[1]))
     hardware.run_host_programs_inline()  # as a `pdecomp` job does for CPU training
@@ -34,7 +35,7 @@ STEP_SCRIPT = textwrap.dedent("""
     mesh = Mesh(np.array(jax.devices()), ("data",))
     rep, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     target = jax.device_put(targets.init_target(jax.random.PRNGKey(0), cfg.model), rep)
-    spec = StepSpec.from_config(cfg)
+    spec = resolve(cfg).step
     state = jax.device_put(init_state(jax.random.PRNGKey(1), spec, target), rep)
     step = jax.jit(make_train_step(spec), donate_argnums=0)
     x = jax.device_put(toys.sample_inputs(jax.random.PRNGKey(2), cfg.model, 4096), shard)

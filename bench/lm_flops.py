@@ -143,16 +143,18 @@ def traced_count(cfg) -> int:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from pdecomp import gate, run, sharding
-    from pdecomp.kinds import kind_of
-    from pdecomp.train import StepSpec, make_train_step
+    from pdecomp import gate, sharding
+    from pdecomp.resolve import resolve
+    from pdecomp.shapes import abstract_run
+    from pdecomp.train import make_train_step
 
-    target, state = run.abstract_run(cfg, jax.random.PRNGKey(cfg.seed))
-    mesh = sharding.make_mesh(cfg)
-    batch = kind_of(cfg.model).batch_abstract(cfg.model, cfg.data, cfg.data.batch_size,
-                                              NamedSharding(mesh, P(sharding.AXIS)))
-    spec = StepSpec.from_config(cfg)
-    return gate.matmul_flops(jax.jit(make_train_step(spec)).trace(state, target, batch).jaxpr)
+    run = resolve(cfg, len(jax.devices()))
+    target, state = abstract_run(run, jax.random.PRNGKey(run.seed))
+    mesh = sharding.make_mesh(run.placement)
+    batch = run.kind.batch_abstract(run.model, run.data, run.batch.size,
+                                    NamedSharding(mesh, P(sharding.AXIS)))
+    return gate.matmul_flops(jax.jit(make_train_step(run.step)).trace(state, target,
+                                                                      batch).jaxpr)
 
 
 def main(overrides: list[str]) -> None:

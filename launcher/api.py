@@ -17,9 +17,9 @@ from typing import Any
 
 from launcher import app
 from pdecomp.config import ConfigError, RunConfig
-from pdecomp.runs import Run, RunDirError, load_run
+from pdecomp.runs import LoadedRun, RunDirError, load_run
 
-__all__ = ["ComposeError", "Run", "RunDirError", "compose", "load_run", "run"]
+__all__ = ["ComposeError", "LoadedRun", "RunDirError", "compose", "load_run", "run"]
 
 
 class ComposeError(ConfigError):

@@ -30,8 +30,9 @@ from omegaconf import DictConfig, open_dict
 
 from launcher import callbacks, cluster
 from launcher.registry import register, to_run_config
-from pdecomp import hardware, sharding
+from pdecomp import hardware
 from pdecomp.config import EXIT_BAD_CONFIG, ConfigError, RunConfig
+from pdecomp.resolve import with_microbatch_size
 from pdecomp.validation import validate
 
 # Inside the package, so an installed wheel carries the configs (package data).
@@ -137,7 +138,7 @@ def compose_run(overrides: list[str]) -> Composed:
     with open_dict(composed):  # Hydra's node holds job-time interpolations
         del composed["hydra"]
     # a planned mesh's microbatches now; a local mesh's in the job, which knows its devices
-    cfg = sharding.with_microbatch_size(to_run_config(composed), None)
+    cfg = with_microbatch_size(to_run_config(composed), None)
     validate(cfg)
     return Composed(cfg, launcher, *dirs)
 

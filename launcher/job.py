@@ -10,6 +10,7 @@ import sys
 import time
 import traceback
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -99,142 +100,194 @@ def _discard(run_dir: Path) -> None:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+@dataclass
+class Job:
+    """One job as Hydra and the scheduler started it: its config, directory and place."""
+
+    cfg: RunConfig
+    resolved: dict[str, Any]  # the composed config as plain data (wandb's config)
+    run_dir: Path
+    multirun: bool
+    sweep_dir: str
+    in_slurm: bool
+    ranks: cluster.Ranks
+    signals: cluster.StopSignals | None = None
+
+    @property
+    def rank0(self) -> bool:
+        return self.ranks.process_id == 0
+
+    @property
+    def in_sweep(self) -> bool:
+        """A job of an in-process sweep: the sweep's other jobs run whatever this one does."""
+        return self.multirun and not self.in_slurm
+
+    def ended(self, code: int, reason: str) -> dict[str, Any]:
+        """A job that did not finish: a sweep's row says how; a single run exits with the
+        code."""
+        if self.rank0 and (self.multirun or self.in_slurm):
+            with contextlib.suppress(WriteFailed):  # a full disk: the launcher says "failed"
+                outcome.write(self.run_dir, code, reason)
+        if self.in_sweep:
+            return {"failed": True, "exit_code": code, "reason": reason}
+        sys.exit(code)
+
+
+def start_job(dict_cfg: DictConfig) -> Job:
+    """The job's config and place; in a SLURM job, its tasks joined as one JAX runtime and
+    the scheduler's signals caught (SIGTERM / Ctrl-C elsewhere)."""
+    # orbax (through absl) and jax log routine events at INFO; keep the console for results.
+    for name in ("absl", "jax"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    resolved = OmegaConf.to_container(dict_cfg, resolve=True, enum_to_str=True)
+    hc = HydraConfig.get()
+    in_slurm = cluster.in_slurm_job()
+    job = Job(to_run_config(resolved), resolved, Path(hc.runtime.output_dir),
+              hc.mode == RunMode.MULTIRUN, str(hc.sweep.dir), in_slurm, cluster.job_ranks())
+    # A scheduler's signal, or SIGTERM / Ctrl-C, stops training at the next step boundary
+    # with a checkpoint; the run resumes from it.
+    if not (job.cfg.gate.only and not in_slurm):
+        job.signals = cluster.StopSignals(in_slurm)
+    if in_slurm:
+        assert job.signals is not None
+        job.signals.install()  # from the start: SLURM's signals would otherwise end the task
+        cluster.init_distributed(job.ranks, job.cfg.mesh.init_timeout_s)
+        cluster.say(job.ranks, f"job {os.environ['SLURM_JOB_ID']} on {os.uname().nodename}, "
+                               f"node {job.ranks.node}/{job.ranks.num_nodes}")
+    return job
+
+
 def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
+    """One job, start to end: its checks, wandb and progress around `decompose`, and each way
+    it can end said in one line (an exit code, or a sweep's row)."""
     # Before JAX starts its backend: the GPU allocator gets the memory the gate caps at, and
     # a CPU program's temporaries come from the calling thread's reusable heap.
     from pdecomp.hardware import export_job_memory, run_host_programs_inline
     export_job_memory(float(dict_cfg.memory.safety_fraction))
     run_host_programs_inline()
-    # In a SLURM job every task runs this; they become one JAX runtime before JAX starts.
-    in_slurm = cluster.in_slurm_job()
-    ranks = cluster.job_ranks()
+    job = start_job(dict_cfg)
+    from pdecomp.run import decompose, prepare  # jax only once the job's runtime is set up
 
-    from pdecomp.run import GateRefused, Hooks, Interrupted, NonFiniteLoss, decompose, preflight
-
-    # orbax (through absl) and jax log routine events at INFO; keep the console for results.
-    for name in ("absl", "jax"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-
-    resolved = OmegaConf.to_container(dict_cfg, resolve=True, enum_to_str=True)
-    cfg = to_run_config(resolved)
-    hc = HydraConfig.get()
-    run_dir = Path(hc.runtime.output_dir)
-    multirun = hc.mode == RunMode.MULTIRUN
-    rank0 = ranks.process_id == 0
-
-    def ended(code: int, reason: str) -> dict[str, Any]:
-        """A job that did not finish: a sweep's row says how (every job of an in-process
-        sweep runs whatever the others do); a single run exits with the code."""
-        if rank0 and (multirun or in_slurm):
-            with contextlib.suppress(WriteFailed):  # a full disk: the launcher says "failed"
-                outcome.write(run_dir, code, reason)
-        if multirun and not in_slurm:
-            return {"failed": True, "exit_code": code, "reason": reason}
-        sys.exit(code)
-
-    # A scheduler's signal (SLURM), or SIGTERM / Ctrl-C (anywhere else), stops training at
-    # the next step boundary with a checkpoint; the run resumes from it.
-    signals = None if cfg.gate.only and not in_slurm else cluster.StopSignals(in_slurm)
-    if in_slurm:
-        assert signals is not None
-        signals.install()  # from the start: SLURM's signals would otherwise end the task
-        cluster.init_distributed(ranks, cfg.mesh.init_timeout_s)
-        cluster.say(ranks, f"job {os.environ['SLURM_JOB_ID']} on {os.uname().nodename}, "
-                           f"node {ranks.node}/{ranks.num_nodes}")
     try:  # checks that need the job's devices, before anything is written
-        preflight(cfg, run_dir)
+        run = prepare(job.cfg, job.run_dir)
     except ConfigError as e:
         print(e, file=sys.stderr)
-        if rank0 and not (multirun or in_slurm):
-            _discard(run_dir)
-        return ended(EXIT_BAD_CONFIG, str(e))
-
-    wb = WandbLogger(cfg, run_dir, resolved) if (cfg.logging.wandb and rank0) else None
-    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
-                        TextColumn("{task.completed}/{task.total}"), TextColumn("{task.fields[info]}"),
-                        TimeElapsedColumn(), TimeRemainingColumn(), console=console,
-                        disable=not (cfg.logging.progress and rank0) or cfg.gate.only)
-    task = progress.add_task(cfg.name, total=cfg.optim.steps, info="")
-
-    def on_gate(report: dict[str, Any]) -> None:
-        if rank0:
-            console.print(gate_table(report))
-            if temps := temps_table(report):
-                console.print(temps)
-        if wb:
-            wb.summary("gate", report)
-            wb.log(0, {"hbm/predicted_peak_gib": report["peak_bytes"] / GiB})
-
-    # A log file (SLURM, nohup) gets no live bar: it gets a plain line every 5% of the steps
-    # or every minute, whichever comes first.
-    plain_lines = not progress.disable and not console.is_terminal
-    last_line = time.monotonic()
-
-    def on_progress(done: int, total: int, last: dict[str, float]) -> None:
-        nonlocal last_line
-        info = f"loss {last['loss/total']:.3g}" if "loss/total" in last else ""
-        progress.update(task, completed=done, info=info)
-        now = time.monotonic()
-        if plain_lines and (done == total or done % max(total // 20, 1) == 0
-                            or now - last_line >= 60):
-            last_line = now
-            rate = f", {1 / last['perf/step_s']:.3g} steps/s" if "perf/step_s" in last else ""
-            console.print(f"{cfg.name}: step {done}/{total}{', ' + info if info else ''}{rate}",
-                          highlight=False)
-
-    hooks = Hooks(log=lambda s: console.print(f"[dim]{s}[/dim]") if rank0 else None,
-                  on_metrics=(wb.log if wb else None), on_gate=on_gate, progress=on_progress,
-                  should_stop=signals.stop_requested if signals else None,
-                  detach_gate=not (in_slurm or multirun), keep_freed_host_memory=True,
-                  quiet_checkpoint_failures=True)
+        if job.rank0 and not (job.multirun or job.in_slurm):
+            _discard(job.run_dir)
+        return job.ended(EXIT_BAD_CONFIG, str(e))
+    wb = WandbLogger(job.cfg, job.run_dir, job.resolved) if (
+        job.cfg.logging.wandb and job.rank0) else None
+    progress = ProgressView(job, wb)
     try:
-        with progress, (signals or contextlib.nullcontext()):
-            summary = decompose(cfg, run_dir, hooks)
-    except GateRefused as e:
-        if rank0:
-            console.print(f"[red]{e}[/red]  (report: {run_dir / 'gate.json'})")
-        if wb:
-            wb.finish(exit_code=EXIT_GATE_REFUSED)
-        if in_slurm:  # every rank exits 3; the launcher reports the job
-            cluster.say(ranks, f"gate refused: exit {EXIT_GATE_REFUSED}")
-        return {**ended(EXIT_GATE_REFUSED, str(e)), "refused": True, "gate": e.report}
-    except WriteFailed as e:  # a full disk: the last complete checkpoint is intact
-        again = f"hydra.sweep.dir={hc.sweep.dir}" if multirun else f"hydra.run.dir={run_dir}"
-        line = f"{e}; resume with {again}"
-        if multirun and not in_slurm:  # the sweep's other jobs still run (and may fit)
-            print(line, file=sys.stderr)
-            return ended(EXIT_WRITE_FAILED, line)
-        cluster.leave(ranks, line, EXIT_WRITE_FAILED)
-    except Interrupted as e:
-        assert signals is not None
-        code = cluster.EXIT_REQUEUED if signals.requeue_requested() else signals.exit_code()
-        if wb:
-            wb.finish(exit_code=code)
-        if in_slurm:
-            _stop_for_scheduler(ranks, signals, e, hc.launcher.get("max_num_timeout", 0))
-        console.print(f"{', '.join(dict.fromkeys(signals.received))}: {e}; resume with "
-                      f"`pdecomp hydra.run.dir={run_dir}` and the same overrides; exit {code}",
-                      markup=False, highlight=False)
-        sys.exit(code)
-    except NonFiniteLoss as e:  # a fault the run explains in full: one line, no traceback
-        if wb:
-            wb.finish(exit_code=1)
-        print(f"error: {e}", file=sys.stderr)
-        return ended(1, f"error: {e}")
-    except Exception as e:  # a job of an in-process sweep: the sweep goes on
-        if not (multirun and not in_slurm):
-            raise
-        traceback.print_exc()
-        if wb:
-            wb.finish(exit_code=1)
-        return ended(1, f"{type(e).__name__}: {e}")
+        with progress.bar, (job.signals or contextlib.nullcontext()):
+            summary = decompose(run, job.run_dir, progress.hooks())
+    except Exception as e:  # noqa: BLE001 - each way a run ends, said by `ended_by`
+        return ended_by(job, wb, e)
     if wb:
         for k, v in summary.items():
             wb.summary(k, v)
         wb.finish()
-    if rank0 and "gate" not in summary:
-        print_findings(cfg, summary, run_dir)
+    if job.rank0 and "gate" not in summary:
+        print_findings(job.cfg, summary, job.run_dir)
     return summary
+
+
+class ProgressView:
+    """The job's console: the gate's tables, a progress bar (a plain line every 5% of the
+    steps or every minute in a log file), and the metrics to wandb."""
+
+    def __init__(self, job: Job, wb: WandbLogger | None):
+        self.job, self.wb = job, wb
+        cfg = job.cfg
+        self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                            TextColumn("{task.completed}/{task.total}"),
+                            TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                            TimeRemainingColumn(), console=console,
+                            disable=not (cfg.logging.progress and job.rank0) or cfg.gate.only)
+        self.task = self.bar.add_task(cfg.name, total=cfg.optim.steps, info="")
+        self.plain_lines = not self.bar.disable and not console.is_terminal
+        self.last_line = time.monotonic()
+
+    def hooks(self) -> Any:
+        from pdecomp.run import Hooks
+
+        job = self.job
+        return Hooks(log=lambda s: console.print(f"[dim]{s}[/dim]") if job.rank0 else None,
+                     on_metrics=(self.wb.log if self.wb else None), on_gate=self.on_gate,
+                     progress=self.on_progress,
+                     should_stop=job.signals.stop_requested if job.signals else None,
+                     detach_gate=not (job.in_slurm or job.multirun),
+                     keep_freed_host_memory=True, quiet_checkpoint_failures=True)
+
+    def on_gate(self, report: dict[str, Any]) -> None:
+        if self.job.rank0:
+            console.print(gate_table(report))
+            if temps := temps_table(report):
+                console.print(temps)
+        if self.wb:
+            self.wb.summary("gate", report)
+            self.wb.log(0, {"hbm/predicted_peak_gib": report["peak_bytes"] / GiB})
+
+    def on_progress(self, done: int, total: int, last: dict[str, float]) -> None:
+        info = f"loss {last['loss/total']:.3g}" if "loss/total" in last else ""
+        self.bar.update(self.task, completed=done, info=info)
+        now = time.monotonic()
+        if self.plain_lines and (done == total or done % max(total // 20, 1) == 0
+                                 or now - self.last_line >= 60):
+            self.last_line = now
+            rate = f", {1 / last['perf/step_s']:.3g} steps/s" if "perf/step_s" in last else ""
+            console.print(f"{self.job.cfg.name}: step {done}/{total}"
+                          f"{', ' + info if info else ''}{rate}", highlight=False)
+
+
+def ended_by(job: Job, wb: WandbLogger | None, e: Exception) -> dict[str, Any]:
+    """How a run that raised ends: a refusal, a full disk, a scheduler's stop, a non-finite
+    loss, or any other fault (re-raised, except in an in-process sweep, which goes on)."""
+    from pdecomp.run import GateRefused, Interrupted, NonFiniteLoss
+
+    if isinstance(e, GateRefused):
+        if job.rank0:
+            console.print(f"[red]{e}[/red]  (report: {job.run_dir / 'gate.json'})")
+        if wb:
+            wb.finish(exit_code=EXIT_GATE_REFUSED)
+        if job.in_slurm:  # every rank exits 3; the launcher reports the job
+            cluster.say(job.ranks, f"gate refused: exit {EXIT_GATE_REFUSED}")
+        return {**job.ended(EXIT_GATE_REFUSED, str(e)), "refused": True, "gate": e.report}
+    if isinstance(e, WriteFailed):  # a full disk: the last complete checkpoint is intact
+        again = (f"hydra.sweep.dir={job.sweep_dir}" if job.multirun
+                 else f"hydra.run.dir={job.run_dir}")
+        line = f"{e}; resume with {again}"
+        if job.in_sweep:  # the sweep's other jobs still run (and may fit)
+            print(line, file=sys.stderr)
+            return job.ended(EXIT_WRITE_FAILED, line)
+        cluster.leave(job.ranks, line, EXIT_WRITE_FAILED)
+    if isinstance(e, Interrupted):
+        interrupted(job, wb, e)
+    if wb:
+        wb.finish(exit_code=1)
+    if isinstance(e, NonFiniteLoss):  # a fault the run explains in full: no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return job.ended(1, f"error: {e}")
+    if not job.in_sweep:
+        raise e
+    traceback.print_exception(e)
+    return job.ended(1, f"{type(e).__name__}: {e}")
+
+
+def interrupted(job: Job, wb: WandbLogger | None, e: Exception) -> None:
+    """Stopped by a signal at a checkpoint: requeued (SLURM) or told how to resume."""
+    signals = job.signals
+    assert signals is not None
+    code = cluster.EXIT_REQUEUED if signals.requeue_requested() else signals.exit_code()
+    if wb:
+        wb.finish(exit_code=code)
+    if job.in_slurm:
+        max_requeues = HydraConfig.get().launcher.get("max_num_timeout", 0)
+        _stop_for_scheduler(job.ranks, signals, e, max_requeues)
+    console.print(f"{', '.join(dict.fromkeys(signals.received))}: {e}; resume with "
+                  f"`pdecomp hydra.run.dir={job.run_dir}` and the same overrides; exit {code}",
+                  markup=False, highlight=False)
+    sys.exit(code)
 
 
 def _stop_for_scheduler(ranks: cluster.Ranks, signals: cluster.StopSignals, e: Exception,

@@ -35,7 +35,7 @@ from pdecomp.commands import Parser, progress_bar
 from pdecomp.config import EVAL_SEED_OFFSET, EXIT_BAD_CONFIG
 from pdecomp.kinds import kind_of, site_names_of
 from pdecomp.lm import token_stream
-from pdecomp.runs import Run, RunDirError, load_run
+from pdecomp.runs import LoadedRun, RunDirError, load_run
 
 OUT_DIR = "analysis"
 ONE_HOT_VALUE = 0.75  # the single-feature input value of metrics.one_hot_live (and the paper)
@@ -73,14 +73,14 @@ class Context:
 
 @dataclass(frozen=True)
 class Analysis:
-    run: Run
+    run: LoadedRun
     stats: dict[str, SiteStats]
     contexts: dict[str, list[list[Context]]] | None  # site -> component -> top-K (LMs)
     feature_ci: dict[str, np.ndarray] | None  # site -> CI [features, C] (toys)
     data: str  # what was analysed, in words
 
 
-def weight_norms(run: Run) -> dict[str, np.ndarray]:
+def weight_norms(run: LoadedRun) -> dict[str, np.ndarray]:
     return {s: np.linalg.norm(np.asarray(c.V, np.float64), axis=0)
             * np.linalg.norm(np.asarray(c.U, np.float64), axis=1)
             for s, c in run.components.sites.items()}
@@ -112,13 +112,13 @@ def _batch_reduce(threshold: float, top_k: int) -> Callable:
     return reduce
 
 
-def reads_tokens(run: Run) -> bool:
+def reads_tokens(run: LoadedRun) -> bool:
     """A language model's run: analysed on held-out token windows, with top-k contexts; a
     toy's on sampled inputs, with each feature's CI."""
     return kind_of(run.config.model).tokens_per_example(run.config.data) > 0
 
 
-def _lm_windows(run: Run, windows: int, batch_size: int) -> Iterator[np.ndarray]:
+def _lm_windows(run: LoadedRun, windows: int, batch_size: int) -> Iterator[np.ndarray]:
     """The held-out windows the final evaluation reads, `batch_size` at a time (the last
     batch shorter)."""
     cfg = run.config
@@ -136,7 +136,7 @@ def _lm_windows(run: Run, windows: int, batch_size: int) -> Iterator[np.ndarray]
         yield pending
 
 
-def _toy_inputs(run: Run, inputs: int, batch_size: int) -> Iterator[Array]:
+def _toy_inputs(run: LoadedRun, inputs: int, batch_size: int) -> Iterator[Array]:
     key = jax.random.PRNGKey(run.config.seed + EVAL_SEED_OFFSET)
     for i, first in enumerate(range(0, inputs, batch_size)):
         yield toys.sample_inputs(jax.random.fold_in(key, i), run.config.model,
@@ -165,7 +165,7 @@ class Tokens:
         self.source = f"decoded with {path}"
 
 
-def component_stats(run: Run, windows: int = 256, inputs: int = 8192, top_k: int = 5,
+def component_stats(run: LoadedRun, windows: int = 256, inputs: int = 8192, top_k: int = 5,
                     batch_size: int | None = None,
                     progress: Callable[[int, int], None] | None = None
                     ) -> tuple[dict[str, SiteStats], dict[str, list[list[Context]]] | None,
@@ -247,7 +247,7 @@ def _contexts(best: tuple[np.ndarray, np.ndarray, np.ndarray], ids: np.ndarray,
     return out
 
 
-def feature_ci(run: Run) -> dict[str, np.ndarray]:
+def feature_ci(run: LoadedRun) -> dict[str, np.ndarray]:
     """Toys: per site, CI [features, C] of each component when feature f alone is on (at
     ONE_HOT_VALUE), the paper's per-feature CI view."""
     eye = jnp.eye(run.config.model.n_features, dtype=jnp.float32)
@@ -255,7 +255,7 @@ def feature_ci(run: Run) -> dict[str, np.ndarray]:
     return {s: np.asarray(v, np.float64) for s, v in ci.items()}
 
 
-def analyse(run: Run, windows: int = 256, inputs: int = 8192, top_k: int = 5,
+def analyse(run: LoadedRun, windows: int = 256, inputs: int = 8192, top_k: int = 5,
             batch_size: int | None = None,
             progress: Callable[[int, int], None] | None = None) -> Analysis:
     stats, contexts, data = component_stats(run, windows, inputs, top_k, batch_size, progress)
@@ -420,7 +420,7 @@ def parser() -> Parser:
 
 
 def main(argv: Sequence[str],
-         on_report: Callable[[Run, Path], None] | None = None) -> int:
+         on_report: Callable[[LoadedRun, Path], None] | None = None) -> int:
     """`pdecomp analyze`; `on_report(run, index)` once the report is written (the launcher
     logs its plots to the run's wandb there: this library never imports wandb)."""
     args = parser().parse_args(argv)

@@ -1,6 +1,7 @@
 """A finished (or checkpointed) run, opened for a look: `load_run(run_dir)`.
 
-Everything comes from what the run wrote: the resolved config (config.yaml), the trained
+Everything comes from what the run wrote: the resolved run (run.json; config.yaml in a run
+directory written before it, its paths read from the working directory), the trained
 components and CI function (the latest checkpoint), the logged history and the summary. The
 target is the one the config names (a toy from its cache, a Llama from its directory).
 Everything is placed on one device, whatever mesh the run trained on.
@@ -8,7 +9,6 @@ Everything is placed on one device, whatever mesh the run trained on.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -23,8 +23,10 @@ from pdecomp import sharding
 from pdecomp.checkpoint import Checkpointer
 from pdecomp.components import Components, with_tied
 from pdecomp.config import RunConfig
-from pdecomp.kinds import kind_of, run_config, tied_sites
-from pdecomp.run import CONFIG_FILE, abstract_run, load_target
+from pdecomp.kinds import kind_of, run_config
+from pdecomp.resolve import Run, resolve
+from pdecomp.rundir import CONFIG_FILE, RUN_FILE, read_json
+from pdecomp.shapes import abstract_run, load_target
 from pdecomp.train import TrainState
 
 
@@ -33,9 +35,9 @@ class RunDirError(ValueError):
 
 
 @dataclass(frozen=True)
-class Run:
+class LoadedRun:
     run_dir: Path
-    config: RunConfig
+    run: Run  # as resolved when it trained
     target: Any  # the frozen target (toy_models.TMS, toy_models.ResidMLP, llama.Llama)
     components: Components  # every site's, tied followers included (V=Uᵀ of the leader)
     ci_fn: Any  # the CI function: ci_fn(site inputs, components) -> CI logits per site
@@ -46,8 +48,18 @@ class Run:
     summary: dict[str, Any] | None  # final metrics; None while the run is unfinished
     gate: dict[str, Any] | None  # the memory gate's report
 
+    @property
+    def config(self) -> RunConfig:
+        """The config as resolved (absolute paths, settled batch and microbatches)."""
+        return self.run.config
+
 
 def read_config(run_dir: Path) -> RunConfig:
+    """The run's config as resolved when it trained (run.json), or as composed
+    (config.yaml) in a run directory from before run.json."""
+    record = read_json(run_dir / RUN_FILE)
+    if record is not None:
+        return run_config(record["config"])
     path = run_dir / CONFIG_FILE
     if not path.is_file():
         why = "does not exist" if not run_dir.is_dir() else f"has no {CONFIG_FILE}"
@@ -66,22 +78,18 @@ def _model_of_its_kind(data: Any) -> Any:
     return {**data, "model": {k: v for k, v in model.items() if k in known}}
 
 
-def _read_json(path: Path) -> Any:
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def load_run(run_dir: str | Path, log: Callable[[str], None] = print) -> Run:
+def load_run(run_dir: str | Path, log: Callable[[str], None] = print) -> LoadedRun:
     """The run in `run_dir` at its latest checkpoint. Raises RunDirError for a directory
     that is not a run or has no checkpoint. `log` hears about a toy target being trained (when the cache has none)."""
     run_dir = Path(run_dir).absolute()
-    cfg = read_config(run_dir)
+    run = resolve(read_config(run_dir))
     ckpt_dir = run_dir / "checkpoints"
     if not ckpt_dir.is_dir():  # not made here: opening a Checkpointer would create it
         raise RunDirError(f"{run_dir}: no checkpoints/ (a gate-only run, or one that "
                           "stopped before its first checkpoint)")
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), (sharding.AXIS, sharding.MODEL))
-    layout = sharding.Layout(mesh, dict(cfg.mesh.rules))
-    target_abs, state_abs = abstract_run(cfg, jax.random.PRNGKey(cfg.seed))
+    layout = sharding.Layout(mesh, dict(run.placement.mesh.rules))
+    target_abs, state_abs = abstract_run(run, jax.random.PRNGKey(run.seed))
     target_abs, state_abs = sharding.place(target_abs, layout), sharding.place(state_abs, layout)
     ckpt = Checkpointer(ckpt_dir)
     try:
@@ -91,11 +99,10 @@ def load_run(run_dir: str | Path, log: Callable[[str], None] = print) -> Run:
         state = ckpt.restore(state_abs, step)
     finally:
         ckpt.close()
-    target, _ = load_target(cfg, target_abs, log)
-    return Run(run_dir=run_dir, config=cfg, target=target,
-               components=with_tied(state.components, tied_sites(cfg.model, cfg.layers)),
-               ci_fn=state.ci_fn,
-               state=state, step=step, mesh=mesh,
-               history=_read_json(run_dir / "history.json") or [],
-               summary=_read_json(run_dir / "summary.json"),
-               gate=_read_json(run_dir / "gate.json"))
+    target, _ = load_target(run, target_abs, log)
+    return LoadedRun(run_dir=run_dir, run=run, target=target,
+                     components=with_tied(state.components, dict(run.tied)),
+                     ci_fn=state.ci_fn, state=state, step=step, mesh=mesh,
+                     history=read_json(run_dir / "history.json") or [],
+                     summary=read_json(run_dir / "summary.json"),
+                     gate=read_json(run_dir / "gate.json"))

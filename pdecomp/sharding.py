@@ -11,7 +11,6 @@ restore.
 
 from __future__ import annotations
 
-import dataclasses as dc
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
 from pdecomp import hardware
-from pdecomp.config import ConfigError, GateConfig, MeshConfig, RunConfig
+from pdecomp.config import ConfigError, GateConfig, MeshConfig
 
 AXIS = "data"
 MODEL = "model"
@@ -95,39 +94,17 @@ def make_layout(planned: MeshConfig, mesh: Mesh) -> Layout:
     return Layout(mesh, dict(planned.rules), planned.shard_state)
 
 
-def data_axis(cfg: RunConfig, n_devices: int | None) -> int | None:
-    """The size of the mesh's data axis, where the config and the job's device count (None:
-    not known here) settle it, by `make_mesh`'s rules: `mesh.data`; else the planned hosts x
-    GPUs per host over the model axis (`mesh.gpus_per_host`, or a named GPU target before
-    devices are known); else the most devices per model-axis group that split each
-    microbatch into whole examples (`optim.microbatch_size` of them each, when set)."""
-    me, o = cfg.mesh, cfg.optim
-    if me.data:
-        return me.data
-    if me.gpus_per_host or (cfg.gate.target != "local" and n_devices is None):
-        return me.hosts * max(me.gpus_per_host, 1) // me.model
-    if n_devices is None:
-        return None
-    micro = cfg.data.batch_size // o.microbatches
+@dataclass(frozen=True)
+class Placement:
+    """Where a run's devices come from: the mesh asked for, the GPU a deviceless gate
+    compiles for (`local`: this job's own devices), and the job's device count and data
+    axis where known (None: not known, or deviceless)."""
 
-    def splits(k: int) -> bool:
-        return (cfg.data.batch_size % (o.microbatch_size * k) == 0 if o.microbatch_size
-                else micro % k == 0)
-
-    return max(k for k in range(1, n_devices // me.model + 1) if splits(k))
-
-
-def with_microbatch_size(cfg: RunConfig, n_devices: int | None) -> RunConfig:
-    """`optim.microbatch_size` turned into `optim.microbatches` for this mesh (the config
-    unchanged without one, or where the data axis is not known yet)."""
-    per = cfg.optim.microbatch_size
-    if per <= 0 or cfg.optim.microbatches != 1:
-        return cfg  # none asked for, or already settled (validate names a conflict)
-    axis = data_axis(cfg, n_devices)
-    if axis is None or cfg.data.batch_size % (per * axis):
-        return cfg  # not known yet, or validate names what does not divide
-    m = cfg.data.batch_size // (per * axis)
-    return dc.replace(cfg, optim=dc.replace(cfg.optim, microbatches=m))
+    mesh: MeshConfig
+    target: str
+    deviceless: bool
+    n_devices: int | None
+    data_axis: int | None
 
 
 def microbatch_counts(batch_size: int, axis: int) -> list[int]:
@@ -157,20 +134,20 @@ def check_target(gate: GateConfig) -> None:
         raise ConfigError("gate.target", gate.target, str(e)) from None
 
 
-def make_mesh(cfg: RunConfig) -> Mesh:
+def make_mesh(placement: Placement) -> Mesh:
     """The run's data x model mesh (`mesh.model` devices on the model axis, the rest on data).
 
-    Deviceless: `mesh.hosts x mesh.gpus_per_host` compile-only GPUs of `gate.target`.
-    Local: `mesh.data` x `mesh.model` devices, else the planned hosts x gpus_per_host when
-    given, else the most devices that divide the batch (times the model axis).
+    Deviceless: `mesh.hosts x mesh.gpus_per_host` compile-only GPUs of the target. Local:
+    the placement's data axis x `mesh.model` of this job's devices.
     """
-    me = cfg.mesh
-    if is_deviceless(cfg.gate):  # preflight's check_target made the compile plugin available
+    me = placement.mesh
+    if placement.deviceless:  # preflight's check_target made the compile plugin available
         total = me.hosts * max(me.gpus_per_host, 1)
-        return hardware.topology_mesh(cfg.gate.target, me.hosts, max(me.gpus_per_host, 1),
+        return hardware.topology_mesh(placement.target, me.hosts, max(me.gpus_per_host, 1),
                                       ((AXIS, total // me.model), (MODEL, me.model)))
     devices = jax.devices()
-    n = me.model * data_axis(cfg, len(devices))
+    assert placement.data_axis is not None, "a local mesh needs the job's devices resolved"
+    n = me.model * placement.data_axis
     processes = {d.process_index for d in devices[:n]}
     if len(processes) < jax.process_count():  # a process with no device would have no work
         raise ConfigError("mesh.data", n, f"the mesh must take devices of all "

@@ -37,12 +37,10 @@ from pdecomp.components import (
     weight_deltas,
     with_tied,
 )
-from pdecomp.config import LayersConfig, OptGroupConfig, OptimConfig, PGDConfig, RunConfig
-from pdecomp.kinds import kind_of, site_C, tied_sites
+from pdecomp.config import LayersConfig, OptGroupConfig, OptimConfig, PGDConfig
 from pdecomp.masks import (
     Plan,
     Positions,
-    make_plan,
     masks_from_sources,
     sample_forward_masks,
 )
@@ -80,7 +78,7 @@ class ReconTerm:
 
 @dataclass(frozen=True)
 class StepSpec:
-    """What training reads of a run, resolved once from its RunConfig: the decomposed
+    """What training reads of a run (`pdecomp.resolve.step_spec` makes it): the decomposed
     sites, the method, the optimizers' settings and the memory plan. Everything in this
     module takes it, not the config."""
 
@@ -111,27 +109,6 @@ class StepSpec:
     ci_threshold: float
     positions: tuple[int, ...]  # a whole batch's positions (the adversary's sources)
     optim: OptimConfig
-
-    @staticmethod
-    def from_config(cfg: RunConfig) -> StepSpec:
-        """The one place a step reads the config: every group of it."""
-        C = site_C(cfg.model, cfg.layers)
-        sites = tuple(C)
-        lo, mem = cfg.loss, cfg.memory
-        recon = tuple(ReconTerm(n, t.coeff, make_plan(t.plan, sites, t.sites_per_chunk),
-                                t.source, t.routing) for n, t in lo.recon.items()
-                      if t.coeff > 0)  # a zero coefficient switches a term off
-        tied = tuple(tied_sites(cfg.model, cfg.layers).items())
-        return StepSpec(sites, tuple(C.values()), tied, cfg.layers.tie_update, cfg.layers,
-                        cfg.layers.delta, recon,
-                        lo.pgd if lo.pgd.coeff > 0 else None, lo.distance,
-                        lo.faithfulness_coeff, lo.imp_min_coeff,
-                        (lo.p_start, lo.p_end, lo.p_anneal_start_frac, lo.p_anneal_end_frac),
-                        lo.beta, lo.eps, cfg.optim.steps, mem.compute_dtype,
-                        mem.matmul_dtype, mem.remat, tuple(mem.remat_names), cfg.optim.microbatches,
-                        mem.stream_ci, mem.remat_layers, mem.site_layer_saves,
-                        mem.offload_opt_state, lo.ci_threshold,
-                        kind_of(cfg.model).positions(cfg.data, cfg.data.batch_size), cfg.optim)
 
     @property
     def site_C(self) -> dict[str, int]:
@@ -423,9 +400,21 @@ def step(plan: StepPlan, state: TrainState, target, batch: Array) -> tuple[Train
     terms["total"] = (spec.faith_coeff * faith + spec.imp_coeff * terms["imp_min"]
                       + sum(t.coeff * terms[f"recon_{t.name}"] for t in spec.recon)
                       + (spec.pgd.coeff * terms["pgd"] if spec.pgd else 0.0))
-    # 5. Separate optimizers: components clipped and scheduled apart from the CI fn; the
-    # sources ascend on their own gradient, unscaled by the term's coefficient. Offloaded
-    # moments come to the device only now, after the backward, and go back to the host.
+    new = update(plan, state, stepped, (g_comp, g_ci, g_src), adversary, lr, key)
+    metrics = {**{f"loss/{k}": v for k, v in terms.items()},
+               **{f"train/l0/{s}": v for s, v in l0.items()},
+               "train/p": ps.p, "train/grad_norm/components": optax.tree.norm(g_comp)}
+    return new, metrics
+
+
+def update(plan: StepPlan, state: TrainState, stepped: Components,
+           grads: tuple[Components, CIFunction, dict | None], adversary: Adversary | None,
+           lr: Array | None, key: Array) -> TrainState:
+    """5. Separate optimizers: components clipped and scheduled apart from the CI fn; the
+    sources ascend on their own gradient, unscaled by the term's coefficient. Offloaded
+    moments come to the device only now, after the backward, and go back to the host. The
+    state after the step, with the next step's `key`."""
+    spec, (g_comp, g_ci, g_src) = plan.spec, grads
     comp_moments, ci_moments = plan.to_device((state.comp_opt, state.ci_opt))
     upd, comp_state = plan.comp_opt.update(g_comp, comp_moments, stepped)
     components = apply_component_updates(spec, state.components, upd)
@@ -435,12 +424,8 @@ def step(plan: StepPlan, state: TrainState, target, batch: Array) -> tuple[Train
     if spec.pgd:
         g_src = jax.tree.map(lambda g: g / spec.pgd.coeff, g_src)
         adversary = ascend(adversary, g_src, lr, spec.pgd.optimizer)
-    metrics = {**{f"loss/{k}": v for k, v in terms.items()},
-               **{f"train/l0/{s}": v for s, v in l0.items()},
-               "train/p": ps.p, "train/grad_norm/components": optax.tree.norm(g_comp)}
-    new = TrainState(step=state.step + 1, components=components, ci_fn=ci_fn,
-                     comp_opt=comp_state, ci_opt=ci_state, adversary=adversary, key=key)
-    return new, metrics
+    return TrainState(step=state.step + 1, components=components, ci_fn=ci_fn,
+                      comp_opt=comp_state, ci_opt=ci_state, adversary=adversary, key=key)
 
 
 class Pass:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pdecomp import sharding
 from pdecomp.ci import CI_FNS
 from pdecomp.config import (
     DATA_SOURCES,
@@ -29,6 +28,7 @@ from pdecomp.kinds import KINDS, kind_of, site_names_of, tied_sites
 from pdecomp.llama import SITE_LAYER_SAVES
 from pdecomp.losses import DISTANCES
 from pdecomp.masks import PLANS, ROUTINGS, SOURCES
+from pdecomp.resolve import data_axis
 from pdecomp.train import PGD_OPTIMIZERS, PGD_SCOPES, REMAT, SCHEDULES, TIE_UPDATES
 
 
@@ -203,7 +203,7 @@ def _validate_microbatch_size(cfg: RunConfig, n_devices: int | None) -> None:
         raise ConfigError("optim.microbatch_size", o.microbatch_size,
                           f"fixes the microbatches that gate.fit={fit} would search: set "
                           "optim.microbatch_size=0 or gate.fit=none")
-    axis = sharding.data_axis(cfg, n_devices)
+    axis = data_axis(cfg, n_devices)
     if axis is not None and cfg.data.batch_size % (o.microbatch_size * axis):
         raise ConfigError("optim.microbatch_size", o.microbatch_size,
                           f"x the mesh's data axis ({axis}) must divide data.batch_size "

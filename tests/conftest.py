@@ -128,12 +128,13 @@ def train_on_all_devices(cfg: Any, target_seed: int, state_seed: int, batches: l
     from jax.sharding import PartitionSpec as P
 
     from pdecomp import targets
-    from pdecomp.train import StepSpec, init_state, make_train_step
+    from pdecomp.resolve import resolve
+    from pdecomp.train import init_state, make_train_step
 
     mesh = Mesh(np.array(jax.devices()), ("data",))
     rep, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     target = jax.device_put(targets.init_target(jax.random.PRNGKey(target_seed), cfg.model), rep)
-    spec = StepSpec.from_config(cfg)
+    spec = resolve(cfg).step
     state = jax.device_put(init_state(jax.random.PRNGKey(state_seed), spec, target), rep)
     step = jax.jit(make_train_step(spec))
     history = []

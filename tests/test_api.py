@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec as P
 from launcher import api
 from pdecomp import metrics, toys
 from pdecomp.components import masked_linear
-from pdecomp.run import Hooks, evaluate
+from pdecomp.evaluation import evaluate
+from pdecomp.run import Hooks
 
 QUIET = Hooks(log=lambda _: None)
 
@@ -32,7 +33,7 @@ def test_compose_run_load_gives_the_runs_results(cache, tmp_path: Path) -> None:
 
     # The run's final evaluation, recomputed from what was loaded: the same CI on the same
     # held-out batches, the same ground-truth match (bit for bit: the same state).
-    again, _ = evaluate(cfg, run.target, run.state, NamedSharding(run.mesh, P("data")))
+    again, _ = evaluate(run.run, run.target, run.state, NamedSharding(run.mesh, P("data")))
     assert again == {k: summary[k] for k in again}
 
     # The masked forward of the loaded components: with the CI's masks (rounded at the
@@ -99,7 +100,7 @@ def test_a_run_directory_written_before_the_per_kind_schemas_reads_back(preset, 
             "sliding_window": 0, "n_hidden_layers": 0, "feature_prob": 0.05,
             "train_steps": 10000, "train_batch_size": 1024, "train_lr": 0.005, "seed": 0,
             "max_retrain": 3, "cache_dir": ""}
-    old = json.loads(json.dumps(dataclasses.asdict(cfg)))  # plain, as run.write_config writes
+    old = json.loads(json.dumps(dataclasses.asdict(cfg)))  # plain, as rundir.write_config writes
     old["model"] = {**flat, **old["model"]}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
     assert read_config(tmp_path) == cfg

@@ -94,7 +94,8 @@ ARG_BYTES_SCRIPT = textwrap.dedent("""
     from pdecomp.config import ResidMLPConfig, RunConfig
     from pdecomp.run import decompose
     from pdecomp.targets import init_target
-    from pdecomp.train import StepSpec, init_state
+    from pdecomp.resolve import resolve
+    from pdecomp.train import init_state
 
     base = RunConfig()
     cfg = dc.replace(base,
@@ -106,7 +107,7 @@ ARG_BYTES_SCRIPT = textwrap.dedent("""
     report = decompose(cfg, sys.argv[1])["gate"]
     key = jax.random.PRNGKey(0)
     target = jax.eval_shape(lambda k: init_target(k, cfg.model), key)
-    spec = StepSpec.from_config(cfg)
+    spec = resolve(cfg).step
     state = jax.eval_shape(lambda k, t: init_state(k, spec, t), key, target)
     leaves = [(list(x.shape), x.dtype.itemsize) for x in jax.tree.leaves((state, target))]
     print(json.dumps({"report": report, "leaves": leaves, "n": len(jax.devices())}))

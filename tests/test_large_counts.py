@@ -11,8 +11,9 @@ import pytest
 
 from launcher.api import compose
 from pdecomp import losses
-from pdecomp.run import abstract_run
-from pdecomp.train import StepSpec, make_train_step
+from pdecomp.resolve import resolve
+from pdecomp.shapes import abstract_run
+from pdecomp.train import make_train_step
 
 D, F = 4096, 14336  # Llama-3.1-8B's d_embed and d_mlp
 
@@ -53,9 +54,9 @@ def test_the_8b_step_traces_with_13_mlp_layers():
     cfg = compose(["+experiment=llama8b_l18-26_chunkwise", f"layers.sites=[{sites}]",
                    "loss.recon.chunkwise.sites_per_chunk=13", "data.batch_size=16",
                    "optim.microbatch_size=0", "mesh=single", "data.source=synthetic"])
-    target, state = abstract_run(cfg, jax.random.PRNGKey(0))
+    target, state = abstract_run(resolve(cfg), jax.random.PRNGKey(0))
     batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len), jnp.int32)
-    spec = StepSpec.from_config(cfg)
+    spec = resolve(cfg).step
     new_state, metrics = jax.eval_shape(make_train_step(spec), state, target, batch)
     assert jax.tree.structure(new_state) == jax.tree.structure(state)
     assert metrics["loss/faithfulness"].shape == ()

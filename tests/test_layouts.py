@@ -21,7 +21,8 @@ SCRIPT = textwrap.dedent("""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from pdecomp import targets
     from pdecomp.sharding import OFFLOADED, Layout, place, shardings
-    from pdecomp.train import StepSpec, init_state, make_train_step
+    from pdecomp.resolve import resolve
+    from pdecomp.train import init_state, make_train_step
     from test_lm import tiny_cfg, tokens
     from test_microbatches import LINEAR_ADAM
 
@@ -31,7 +32,7 @@ SCRIPT = textwrap.dedent("""
     cfg = dc.replace(cfg, layers=layers, data=dc.replace(cfg.data, batch_size=8),
                      optim=dc.replace(cfg.optim, components=LINEAR_ADAM, ci_fn=LINEAR_ADAM))
     target = targets.init_target(jax.random.PRNGKey(0), cfg.model)
-    spec = StepSpec.from_config(cfg)
+    spec = resolve(cfg).step
     state = init_state(jax.random.PRNGKey(1), spec, target)
     batch = tokens(cfg)
 
@@ -41,7 +42,7 @@ SCRIPT = textwrap.dedent("""
                 if jnp.issubdtype(x.dtype, jnp.floating)}
 
     def run(cfg, layout):
-        spec = StepSpec.from_config(cfg)
+        spec = resolve(cfg).step
         if layout is None:
             new, m = jax.jit(make_train_step(spec))(state, target, batch)
             return {"metrics": {k: float(v) for k, v in m.items()}, "state": leaves(new)}

@@ -18,7 +18,8 @@ from pdecomp import targets
 from pdecomp.components import frozen_linear
 from pdecomp.config import ConfigError
 from pdecomp.llama import CheckpointError, load_config, load_hf
-from pdecomp.train import StepSpec, init_state, make_train_step
+from pdecomp.resolve import resolve
+from pdecomp.train import init_state, make_train_step
 from pdecomp.validation import validate
 
 VARIANTS = ["llama_bias", "qwen2_bias", "mistral_window", "qwen2_window"]
@@ -86,7 +87,7 @@ def test_a_model_without_a_checkpoint_takes_the_flags_and_decomposes():
     x = tokens(cfg)  # seq 8 > window 4
     full = dc.replace(target, cfg=dc.replace(target.cfg, windows=()))
     assert float(jnp.abs(target(x) - full(x)).max()) > 1e-3
-    spec = StepSpec.from_config(cfg)
+    spec = resolve(cfg).step
     state = init_state(jax.random.PRNGKey(1), spec, target)
     step = jax.jit(make_train_step(spec))
     losses = []

@@ -33,7 +33,8 @@ from pdecomp.config import (
 )
 from pdecomp.masks import masks_from_sources, sample_forward_masks
 from pdecomp.metrics import fresh_pgd_masks, lm_mask_metrics
-from pdecomp.train import StepSpec, ascend, init_state, make_train_step, pgd_source_shape
+from pdecomp.resolve import resolve
+from pdecomp.train import ascend, init_state, make_train_step, pgd_source_shape
 from pdecomp.validation import validate
 
 SITES = [f"layers.{i}.mlp.{w}" for i in (1, 2) for w in ("gate_proj", "up_proj", "down_proj")]
@@ -69,7 +70,7 @@ def tokens(cfg: RunConfig, seed: int = 0) -> jax.Array:
 def setup():
     cfg = tiny_cfg()
     target = targets.init_target(jax.random.PRNGKey(0), cfg.model)
-    spec = StepSpec.from_config(cfg)
+    spec = resolve(cfg).step
     state = init_state(jax.random.PRNGKey(1), spec, target)
     return cfg, target, state
 
@@ -77,7 +78,7 @@ def setup():
 @pytest.fixture(scope="module")
 def step(setup):
     """The setup's train step, compiled once for the module (a compile takes seconds)."""
-    return jax.jit(make_train_step(StepSpec.from_config(setup[0])))
+    return jax.jit(make_train_step(resolve(setup[0]).step))
 
 
 class Clean(NamedTuple):
@@ -256,7 +257,7 @@ def test_source_scopes(scope, shape):
     assert pgd_source_shape(scope, (4, 8), 8) == shape
     cfg = tiny_cfg(scope)
     target = targets.init_target(jax.random.PRNGKey(0), cfg.model)
-    spec = StepSpec.from_config(cfg)
+    spec = resolve(cfg).step
     state = init_state(jax.random.PRNGKey(1), spec, target)
     for s in SITES:
         src = state.adversary.sources[s]
@@ -358,7 +359,7 @@ def test_state_round_trip_through_a_checkpoint_continues_the_trajectory(setup, s
 def test_remat_policies_keep_the_numbers(setup, step, remat):
     cfg, target, state = setup
     ref = step(state, target, tokens(cfg))[1]
-    spec = StepSpec.from_config(tiny_cfg(remat=remat, remat_names=["layer_out"]))
+    spec = resolve(tiny_cfg(remat=remat, remat_names=["layer_out"])).step
     got = jax.jit(make_train_step(spec))(
         state, target, tokens(cfg))[1]
     for k in ("loss/total", "loss/recon_chunkwise", "loss/pgd"):
@@ -372,7 +373,7 @@ def test_site_layer_saves_keep_the_numbers(setup, step, saves):
     remat."""
     cfg, target, state = setup
     ref = step(state, target, tokens(cfg))[1]
-    spec = StepSpec.from_config(tiny_cfg(remat_layers=True, site_layer_saves=saves))
+    spec = resolve(tiny_cfg(remat_layers=True, site_layer_saves=saves)).step
     got = jax.jit(make_train_step(spec))(
         state, target, tokens(cfg))[1]
     for k in ("loss/total", "loss/recon_chunkwise", "loss/pgd", "train/grad_norm/components"):
@@ -401,9 +402,9 @@ def test_matmul_dtype_runs_the_forwards_matmuls_in_it(setup, step):
     matmuls take bfloat16 operands (float32 products), faithfulness and the CI function
     keep float32; the losses stay within bfloat16's rounding of the float32 step's."""
     cfg, target, state = setup
-    mixed = make_train_step(StepSpec.from_config(tiny_cfg(matmul_dtype="bfloat16")))
+    mixed = make_train_step(resolve(tiny_cfg(matmul_dtype="bfloat16")).step)
     ops = _dot_operands(mixed, state, target, tokens(cfg))
-    full = _dot_operands(make_train_step(StepSpec.from_config(cfg)), state, target,
+    full = _dot_operands(make_train_step(resolve(cfg).step), state, target,
                          tokens(cfg))
     assert set(full) == {("float32", "float32")}
     # Forward and backward, no dot mixes the two dtypes (a float32 cotangent against a

@@ -14,7 +14,8 @@ from test_lm import tiny_cfg, tokens
 from pdecomp import targets, toys
 from pdecomp.config import ConfigError, OptGroupConfig, RunConfig
 from pdecomp.masks import Positions, sample_forward_masks
-from pdecomp.train import StepSpec, init_state, make_train_step
+from pdecomp.resolve import resolve
+from pdecomp.train import init_state, make_train_step
 from pdecomp.validation import validate
 
 # lr 1 and Adam's eps 1e-3: the first update is g / (|g| + 1e-3), smooth in the gradient, so the
@@ -28,7 +29,7 @@ def with_microbatches(cfg: RunConfig, n: int) -> RunConfig:
 
 
 def one_step(cfg: RunConfig, target, batch):
-    spec = StepSpec.from_config(cfg)
+    spec = resolve(cfg).step
     state = init_state(jax.random.PRNGKey(1), spec, target)
     new, metrics = jax.jit(make_train_step(spec))(state, target, batch)
     return state, new, metrics
@@ -111,37 +112,39 @@ def test_microbatches_must_divide_the_batch_and_leave_every_device_rows():
                                                           ("fsdp16x8", 16, 4)])
 def test_the_8b_preset_takes_its_microbatches_from_the_mesh(mesh, data_axis, microbatches):
     from launcher.api import compose
+    from pdecomp import resolve as resolve_lib
     from pdecomp import sharding
 
     cfg = compose(["gate.only=true", "gate.target=b200", f"mesh={mesh}"],
                   preset="llama8b_l18-26_chunkwise")
     assert cfg.optim.microbatch_size == 2 and cfg.data.batch_size == 128
-    assert sharding.data_axis(cfg, None) == data_axis
+    assert resolve_lib.data_axis(cfg, None) == data_axis
     assert cfg.optim.microbatches == microbatches  # 128 / (2 x data axis)
     assert sharding.microbatch_counts(cfg.data.batch_size, data_axis) == [
         m for m in range(1, 128 // data_axis + 1) if 128 // data_axis % m == 0]
 
 
 def test_a_local_mesh_settles_its_microbatches_in_the_job():
-    from pdecomp import sharding
+    from pdecomp import resolve as resolve_lib
 
     cfg = dc.replace(RunConfig(), optim=dc.replace(RunConfig().optim, microbatch_size=512),
                      data=dc.replace(RunConfig().data, batch_size=4096))
-    assert sharding.with_microbatch_size(cfg, None) == cfg  # devices not known yet
-    assert sharding.with_microbatch_size(cfg, 1).optim.microbatches == 8
-    assert sharding.with_microbatch_size(cfg, 8).optim.microbatches == 1  # 8 devices x 512
-    assert sharding.with_microbatch_size(cfg, 2).optim.microbatches == 4
+    assert resolve_lib.with_microbatch_size(cfg, None) == cfg  # devices not known yet
+    assert resolve_lib.with_microbatch_size(cfg, 1).optim.microbatches == 8
+    assert resolve_lib.with_microbatch_size(cfg, 8).optim.microbatches == 1  # 8 devices x 512
+    assert resolve_lib.with_microbatch_size(cfg, 2).optim.microbatches == 4
     unset = dc.replace(cfg, optim=dc.replace(cfg.optim, microbatch_size=0))
-    assert sharding.with_microbatch_size(unset, 8) == unset
+    assert resolve_lib.with_microbatch_size(unset, 8) == unset
     # the mesh make_mesh builds is the one the count was settled for: 4 examples a device,
     # 8 in the batch, 4 devices -> 2 of them (not 4 devices of 2 examples)
     small = dc.replace(cfg, data=dc.replace(cfg.data, batch_size=8),
                        optim=dc.replace(cfg.optim, microbatch_size=4))
-    assert sharding.data_axis(small, 4) == 2
-    assert sharding.data_axis(sharding.with_microbatch_size(small, 4), 4) == 2
+    assert resolve_lib.data_axis(small, 4) == 2
+    assert resolve_lib.data_axis(resolve_lib.with_microbatch_size(small, 4), 4) == 2
+    assert resolve(small, 4).batch == resolve_lib.BatchPlan(8, 1, 2)
     # mesh.data first, as make_mesh takes it
     both = dc.replace(cfg, mesh=dc.replace(cfg.mesh, data=2, gpus_per_host=4))
-    assert sharding.data_axis(both, 8) == 2
+    assert resolve_lib.data_axis(both, 8) == 2
 
 
 @pytest.mark.parametrize("overrides, key", [

@@ -235,11 +235,11 @@ def test_plan_forward_counts(kind, k, n_sites, expected):
 
 
 def test_recon_term_with_zero_coeff_is_off():
-    from pdecomp.train import StepSpec
+    from pdecomp.resolve import resolve
 
     cfg = RunConfig()
     recon = {**cfg.loss.recon, "layerwise": dc.replace(cfg.loss.recon["layerwise"], coeff=0.0)}
-    spec = StepSpec.from_config(dc.replace(cfg, loss=dc.replace(cfg.loss, recon=recon)))
+    spec = resolve(dc.replace(cfg, loss=dc.replace(cfg.loss, recon=recon))).step
     assert [t.name for t in spec.recon] == ["full"]
 
 
@@ -354,12 +354,13 @@ def test_tied_follower_is_the_leaders_transpose_and_trains_it():
 
 @pytest.mark.parametrize("tie_update", ["shared", "per_site"])
 def test_tied_update_shared_sums_gradients_per_site_steps_each_site(tie_update):
-    from pdecomp.train import StepSpec, apply_component_updates, optimized_components, optimizer
+    from pdecomp.resolve import resolve
+    from pdecomp.train import apply_component_updates, optimized_components, optimizer
 
     cfg = RunConfig()
     cfg = dc.replace(cfg, layers=dc.replace(cfg.layers, tie_update=tie_update))
     lead = Components.init(jax.random.PRNGKey(1), {"linear1": (5, 2)}, {"linear1": 4})
-    spec = StepSpec.from_config(cfg)
+    spec = resolve(cfg).step
     stepped = optimized_components(spec, lead)
     assert set(stepped.sites) == ({"linear1", "linear2"} if tie_update == "per_site"
                                   else {"linear1"})
@@ -386,7 +387,8 @@ def test_tied_update_shared_sums_gradients_per_site_steps_each_site(tie_update):
 
 def test_train_step_takes_the_tied_update_it_is_configured_with():
     from pdecomp import targets, toys
-    from pdecomp.train import StepSpec, init_state, make_train_step
+    from pdecomp.resolve import resolve
+    from pdecomp.train import init_state, make_train_step
 
     base = dc.replace(RunConfig(), data=dc.replace(RunConfig().data, batch_size=64))
     target = targets.init_target(jax.random.PRNGKey(0), base.model)
@@ -394,7 +396,7 @@ def test_train_step_takes_the_tied_update_it_is_configured_with():
     leaders = {}
     for mode in ("shared", "per_site"):
         cfg = dc.replace(base, layers=dc.replace(base.layers, tie_update=mode))
-        spec = StepSpec.from_config(cfg)
+        spec = resolve(cfg).step
         state = init_state(jax.random.PRNGKey(1), spec, target)
         new, metrics = jax.jit(make_train_step(spec))(state, target, x)
         assert set(new.components.sites) == {"linear1"}  # the follower still owns nothing
@@ -410,14 +412,15 @@ def test_train_step_takes_the_tied_update_it_is_configured_with():
 
 def test_train_step_takes_its_optimizers_as_arguments():
     from pdecomp import targets, toys
-    from pdecomp.train import Optimizers, StepSpec, init_state, make_train_step
+    from pdecomp.resolve import resolve
+    from pdecomp.train import Optimizers, init_state, make_train_step
 
     cfg = dc.replace(RunConfig(), data=dc.replace(RunConfig().data, batch_size=64))
     target = targets.init_target(jax.random.PRNGKey(0), cfg.model)
     x = toys.sample_inputs(jax.random.PRNGKey(2), cfg.model, 64)
 
     def one_step(optimizers):
-        spec = StepSpec.from_config(cfg)
+        spec = resolve(cfg).step
         state = init_state(jax.random.PRNGKey(1), spec, target, optimizers)
         return state, jax.jit(make_train_step(spec, optimizers=optimizers))(state, target, x)[0]
 
@@ -444,7 +447,8 @@ def test_train_step_takes_its_optimizers_as_arguments():
     ("ci", "all", "layerwise")])
 def test_every_ci_fn_source_routing_and_plan_trains(ci_fn, source, routing, plan):
     from pdecomp.config import ReconTermConfig
-    from pdecomp.train import StepSpec, init_state, make_train_step
+    from pdecomp.resolve import resolve
+    from pdecomp.train import init_state, make_train_step
 
     base = RunConfig()
     term = ReconTermConfig(plan=plan, sites_per_chunk=1, source=source, routing=routing)
@@ -452,7 +456,7 @@ def test_every_ci_fn_source_routing_and_plan_trains(ci_fn, source, routing, plan
                                              tie=False),
                      loss=dc.replace(base.loss, recon={"t": term}))
     target = _tms(hidden=0)
-    spec = StepSpec.from_config(cfg)
+    spec = resolve(cfg).step
     state = init_state(jax.random.PRNGKey(0), spec, target)
     x = jax.random.uniform(jax.random.PRNGKey(1), (64, 5))
     step = jax.jit(make_train_step(spec))

@@ -13,7 +13,8 @@ from pdecomp import targets, toys
 from pdecomp.checkpoint import Checkpointer
 from pdecomp.config import RunConfig, TMSConfig
 from pdecomp.gate import abstract
-from pdecomp.train import StepSpec, init_state, make_train_step
+from pdecomp.resolve import resolve
+from pdecomp.train import init_state, make_train_step
 
 SMALL = TMSConfig(name="tms_small", train_steps=600, train_batch_size=512)
 
@@ -21,7 +22,7 @@ SMALL = TMSConfig(name="tms_small", train_steps=600, train_batch_size=512)
 def test_state_round_trips_through_a_checkpoint(tmp_path):
     cfg = RunConfig(data=dc.replace(RunConfig().data, batch_size=64))
     target = targets.init_target(jax.random.PRNGKey(0), cfg.model)
-    spec = StepSpec.from_config(cfg)
+    spec = resolve(cfg).step
     state = init_state(jax.random.PRNGKey(1), spec, target)
     step = jax.jit(make_train_step(spec))
     x = toys.sample_inputs(jax.random.PRNGKey(2), cfg.model, 64)
@@ -41,7 +42,7 @@ def test_state_round_trips_through_a_checkpoint(tmp_path):
 def test_partial_checkpoint_is_not_taken_for_complete(tmp_path):
     cfg = RunConfig()
     target = targets.init_target(jax.random.PRNGKey(0), cfg.model)
-    spec = StepSpec.from_config(cfg)
+    spec = resolve(cfg).step
     state = init_state(jax.random.PRNGKey(1), spec, target)
     ck = Checkpointer(tmp_path / "ck")
     ck.save(5, state)

@@ -12,7 +12,8 @@ from conftest import load_json, ok, pdecomp
 from pdecomp import hardware
 from pdecomp.config import ConfigError, RunConfig
 from pdecomp.gate import format_report
-from pdecomp.run import gate_cap
+from pdecomp.gating import gate_cap
+from pdecomp.resolve import resolve
 
 pytestmark = pytest.mark.jax_versions  # the deviceless caps come from the compiled figures
 
@@ -60,7 +61,7 @@ def test_a_fraction_of_the_users_is_kept_and_is_the_caps(var: str) -> None:
 @pytest.mark.parametrize(("gpu", "fraction"), [("h100", 0.9), ("b200", 0.9), ("b200", 0.5)])
 def test_the_deviceless_cap_is_the_card_times_what_the_job_exports(gpu: str,
                                                                    fraction: float) -> None:
-    cap, source, record = gate_cap(deviceless(gpu, safety_fraction=fraction), mesh=None)
+    cap, source, record = gate_cap(resolve(deviceless(gpu, safety_fraction=fraction)), mesh=None)
     exported = hardware.export_job_memory(fraction, dict(SLURM_ENV))
     assert cap == int(hardware.GPUS[gpu].memory_bytes * float(exported["XLA_CLIENT_MEM_FRACTION"]))
     assert source.endswith(f"memory.safety_fraction, which the job exports as "
@@ -71,7 +72,7 @@ def test_the_deviceless_cap_is_the_card_times_what_the_job_exports(gpu: str,
 def test_a_users_fraction_changes_the_deviceless_cap_and_the_report_says_so(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
-    cap, source, record = gate_cap(deviceless("h100"), mesh=None)
+    cap, source, record = gate_cap(resolve(deviceless("h100")), mesh=None)
     assert cap == int(hardware.GPUS["h100"].memory_bytes * 0.75)
     assert record["fraction"] == 0.75 and record["job_exports"] == {}
     report = {"target": "t", "mesh": {"data": 1}, "cap_bytes": cap, "cap_source": source,

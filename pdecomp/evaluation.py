@@ -1,0 +1,75 @@
+"""A run's final evaluation: live components and L0 per site on fresh held-out batches,
+then its kind's own metrics, and the result's plots."""
+
+from __future__ import annotations
+
+import dataclasses as dc
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pdecomp import hosts, metrics, plots
+from pdecomp.components import with_tied
+from pdecomp.config import EVAL_SEED_OFFSET
+from pdecomp.resolve import Run
+from pdecomp.train import TrainState
+
+
+class Learned(NamedTuple):
+    """What a decomposition learned: all that evaluation reads of a training state."""
+
+    components: Any
+    ci_fn: Any
+
+
+class Evaluated(NamedTuple):
+    """What the final evaluation read, as it read it (a toy's gathered whole on every
+    process), and its per-site CI summary: what `draw` plots."""
+
+    target: Any
+    components: Any
+    ci: dict[str, dict[str, Any]]
+
+
+def evaluate(run: Run, target: Any, state: Learned | TrainState,
+             batch_sharding: NamedSharding) -> tuple[dict[str, Any], Evaluated]:
+    """Final metrics on fresh held-out batches: live components and L0 per site, then the
+    kind's own (the ground-truth match of a toy, CE/KL per mask type of an LM). Numbers
+    only, and what was evaluated."""
+    kind = run.kind
+    eval_key = jax.random.PRNGKey(run.seed + EVAL_SEED_OFFSET)
+    # In training's microbatches: a whole batch at once would need memory the step, which
+    # takes it in optim.microbatches pieces, never did.
+    n = run.batch.microbatches
+    micro = dc.replace(run.data, batch_size=run.batch.microbatch)
+    sample = kind.batch_sampler(run.model, micro, run.seed, batch_sharding, eval_key,
+                                held_out=True)
+    batches = [sample(i) for i in range(run.data.eval_batches * n)]
+    replicated = NamedSharding(batch_sharding.mesh, P())
+    components = with_tied(state.components, dict(run.tied))
+    target, components, ci_fn = kind.for_evaluation((target, components, state.ci_fn),
+                                                    replicated)
+    ci = metrics.ci_summary(target, components, ci_fn, batches, run.loss.ci_threshold,
+                            replicated)
+    summary: dict[str, Any] = {}
+    for s, v in ci.items():
+        summary[f"live/{s}"] = v["live"]
+        summary[f"l0/{s}"] = v["l0"]
+    summary.update(kind.evaluate(run.model, run.evaluation, target, components, ci_fn,
+                                 batches, eval_key, ci))
+    return summary, Evaluated(target, components, ci)
+
+
+def draw(run: Run, evaluated: Evaluated, history: list[dict[str, float]],
+         run_dir: Path) -> dict[str, str]:
+    """The result's plots (rank 0, `logging.plots`): summary key -> file drawn."""
+    if not run.logging.plots or not hosts.is_main_process():
+        return {}
+    thr, ci = run.loss.ci_threshold, evaluated.ci
+    out = {"plots/mean_ci": str(plots.plot_mean_ci(ci, run_dir / "mean_ci.png", thr))}
+    if history:
+        out["plots/history"] = str(plots.plot_history(history, run_dir / "history.png"))
+    return out | run.kind.plots(evaluated.target, evaluated.components, ci, thr, run_dir)

@@ -1,0 +1,32 @@
+"""What a front end plugs into a run: where its lines go, the metrics and the gate's report
+as they come, progress, when to stop, and the process-wide switches that are its to ask for."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Hooks:
+    """Callbacks a front end supplies; all optional."""
+
+    log: Callable[[str], None] = print
+    on_metrics: Callable[[int, dict[str, float]], None] | None = None
+    on_gate: Callable[[dict[str, Any]], None] | None = None
+    progress: Callable[[int, int, dict[str, float]], None] | None = None
+    # Asked every `logging.stop_check_every` steps; True on any process stops every process
+    # at that step, with a checkpoint (raises Interrupted).
+    should_stop: Callable[[], bool] | None = None
+    # The front end ends the process with gate.end_process after a gate-only run, so a
+    # deviceless gate may report from XLA's buffer assignment and leave code generation
+    # running (gate.compile_and_report, detach).
+    detach_gate: bool = False
+    # Process-wide, so the front end's to ask for: on a CPU backend, glibc keeps freed
+    # blocks for reuse (hardware.keep_freed_host_memory: the toys' steps 40% faster) from
+    # training on. A library caller's process is left as it was.
+    keep_freed_host_memory: bool = False
+    # Process-wide likewise: orbax's tracebacks for a checkpoint failure that the run
+    # reports itself are dropped (Checkpointer's `quiet`).
+    quiet_checkpoint_failures: bool = False
