@@ -38,7 +38,7 @@ from pdecomp.lm import token_stream
 from pdecomp.runs import LoadedRun, RunDirError, load_run
 
 OUT_DIR = "analysis"
-ONE_HOT_VALUE = 0.75  # the single-feature input value of metrics.one_hot_live (and the paper)
+ONE_HOT_VALUE = 0.75  # the single-feature input value of toys.one_hot_live (and the paper)
 CONTEXT_BEFORE, CONTEXT_AFTER = 12, 3  # tokens shown around a firing position
 
 

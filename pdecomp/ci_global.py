@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from pdecomp.llama import apply_rope, rms_norm, rope_inv_freq, rope_tables
+from pdecomp.blocks import apply_rope, rms_norm, rope_inv_freq, rope_tables
 
 ROPE_THETA = 10000.0
 NORM_EPS = 1e-6

@@ -194,7 +194,7 @@ class PGDConfig:
 
     coeff: float = 0.0  # 0: off
     scope: str = "batch_shared"  # a name in pdecomp.train.PGD_SCOPES
-    # a name in pdecomp.train.PGD_OPTIMIZERS; adam with b1 0.5, b2 0.99, eps 1e-8
+    # a name in pdecomp.adversary.PGD_OPTIMIZERS; adam with b1 0.5, b2 0.99, eps 1e-8
     optimizer: str = "adam"
     lr: float = 0.01
     warmup_frac: float = 0.025  # linear lr warmup, as a fraction of optim.steps

@@ -1,4 +1,6 @@
-"""Evaluation metrics: L0 and live components per site, and the toy ground-truth matches."""
+"""Evaluation metrics every kind shares: CI, L0 and live components per site, and the
+masked forwards' CE/KL by mask kind (fresh PGD among them). A kind's own (a toy's
+ground-truth match) live with its kind."""
 
 from __future__ import annotations
 
@@ -11,12 +13,11 @@ from jax.sharding import Sharding
 from jaxtyping import Array
 
 from pdecomp import losses
+from pdecomp.adversary import Adversary, ascend
 from pdecomp.ci import ci_lower
 from pdecomp.components import Components, SiteMask, masked_linear, recording_linear
 from pdecomp.config import EvalPGDConfig
 from pdecomp.masks import masks_from_sources, sample_forward_masks
-from pdecomp.toy_models import TMS, ResidMLP
-from pdecomp.train import Adversary, ascend
 
 
 def causal_importances(target, components: Components, ci_fn, x: Array) -> dict[str, Array]:
@@ -168,75 +169,3 @@ def ci_summary(target, components: Components, ci_fn, batches: Iterable[Array],
         n += int(rows)
     return {s: {"max_ci": a["max"], "mean_ci": a["sum"] / n, "l0": a["l0"] / n,
                 "live": int((a["max"] > threshold).sum())} for s, a in acc.items()}
-
-
-def _match(target_vecs: np.ndarray, comp_vecs: np.ndarray) -> tuple[float, float, np.ndarray]:
-    """MMCS and ML2R of target vectors [F, d] against component vectors [F, C, d].
-
-    For each feature f: the component with the highest cosine similarity to the target's
-    vector; MMCS is the mean of those maxima, ML2R the mean norm ratio of the matches.
-    Pass live components only: in a 2-d space a dead component of negligible norm can
-    point along a feature by chance, and cosine similarity ignores its scale.
-    """
-    t_norm = np.linalg.norm(target_vecs, axis=-1)  # [F]
-    c_norm = np.linalg.norm(comp_vecs, axis=-1)  # [F, C]
-    cos = np.einsum("fd,fcd->fc", target_vecs, comp_vecs) / np.maximum(
-        t_norm[:, None] * c_norm, 1e-12)
-    best = cos.argmax(-1)
-    f = np.arange(len(best))
-    return float(cos[f, best].mean()), float((c_norm[f, best] / t_norm).mean()), best
-
-
-def tms_ground_truth(target: TMS, components: Components,
-                     live: dict[str, np.ndarray] | None = None) -> dict[str, float]:
-    """MMCS/ML2R per TMS site over its live components (all when `live` is None).
-
-    linear1's feature f writes W[f, :]; component c's counterpart is V[f, c]·U[c, :].
-    linear2 reads feature f through column f of Wᵀ.
-    """
-    out = {}
-    W = np.asarray(target.W)
-    for site, comp in components.sites.items():
-        V, U = np.asarray(comp.V), np.asarray(comp.U)
-        if live is not None:
-            keep = np.asarray(live[site], bool)
-            if not keep.any():
-                out[f"mmcs/{site}"], out[f"ml2r/{site}"] = 0.0, 0.0
-                continue
-            V, U = V[:, keep], U[keep]
-        if site == "linear1":
-            t, c = W, np.einsum("fc,cd->fcd", V, U)
-        elif site == "linear2":
-            t, c = W, np.einsum("dc,cf->fcd", V, U)
-        else:
-            continue
-        out[f"mmcs/{site}"], out[f"ml2r/{site}"], _ = _match(t, c)
-    return out
-
-
-def one_hot_live(target: TMS | ResidMLP, components: Components, ci_fn, threshold: float,
-                 n: int, value: float = 0.75) -> dict[str, int]:
-    """Per site: components whose CI exceeds the threshold on some single-feature input
-    value·e_f (f < n, the target's features). The view of the paper's CI-per-feature plots:
-    unlike `live`, it cannot see a component that fires only when several features are on at
-    once."""
-    ci = causal_importances(target, components, ci_fn, value * jnp.eye(n, dtype=jnp.float32))
-    return {f"live_one_hot/{s}": int((np.asarray(v) > threshold).any(0).sum())
-            for s, v in ci.items()}
-
-
-def resid_one_to_one(target: ResidMLP, components: Components, ci_fn,
-                     threshold: float) -> dict[str, int]:
-    """Per mlp_in site: how many features activate exactly one component that no other
-    feature activates (one-hot input e_f of value 1)."""
-    eye = jnp.eye(target.W_E.shape[0], dtype=jnp.float32)
-    ci = causal_importances(target, components, ci_fn, eye)
-    out = {}
-    for site, v in ci.items():
-        if not site.endswith("mlp_in"):
-            continue
-        active = np.asarray(v) > threshold  # [F, C]
-        per_comp = active.sum(0)
-        one = [(row.sum() == 1) and per_comp[row.argmax()] == 1 for row in active]
-        out[f"one_to_one/{site}"] = int(np.sum(one))
-    return out

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from jaxtyping import Array, PRNGKeyArray
 
 from pdecomp import metrics, plots, sharding, targets, toy_models
+from pdecomp.components import Components
 from pdecomp.config import (
     ConfigError,
     DataConfig,
@@ -160,9 +161,9 @@ class TMSKind(ToyKind):
                  ci_fn: Any, batches: list[Array], key: Array, ci: dict[str, dict[str, Any]]
                  ) -> dict[str, Any]:
         thr = spec.ci_threshold
-        return {**metrics.tms_ground_truth(target, components,
+        return {**tms_ground_truth(target, components,
                                            {s: v["max_ci"] > thr for s, v in ci.items()}),
-                **metrics.one_hot_live(target, components, ci_fn, thr, model.n_features)}
+                **one_hot_live(target, components, ci_fn, thr, model.n_features)}
 
     def plots(self, target: Any, components: Any, ci: dict[str, dict[str, Any]], thr: float,
               run_dir: Path) -> dict[str, str]:
@@ -206,8 +207,81 @@ class ResidMLPKind(ToyKind):
     def evaluate(self, model: ModelConfig, spec: EvalSpec, target: Any, components: Any,
                  ci_fn: Any, batches: list[Array], key: Array, ci: dict[str, dict[str, Any]]
                  ) -> dict[str, Any]:
-        return metrics.resid_one_to_one(target, components, ci_fn, spec.ci_threshold)
+        return resid_one_to_one(target, components, ci_fn, spec.ci_threshold)
 
 
 TMS_KIND = TMSKind()
 RESID_MLP_KIND = ResidMLPKind()
+
+
+# The toys' own metrics: how the components match the features the target was built on.
+def _match(target_vecs: np.ndarray, comp_vecs: np.ndarray) -> tuple[float, float, np.ndarray]:
+    """MMCS and ML2R of target vectors [F, d] against component vectors [F, C, d].
+
+    For each feature f: the component with the highest cosine similarity to the target's
+    vector; MMCS is the mean of those maxima, ML2R the mean norm ratio of the matches.
+    Pass live components only: in a 2-d space a dead component of negligible norm can
+    point along a feature by chance, and cosine similarity ignores its scale.
+    """
+    t_norm = np.linalg.norm(target_vecs, axis=-1)  # [F]
+    c_norm = np.linalg.norm(comp_vecs, axis=-1)  # [F, C]
+    cos = np.einsum("fd,fcd->fc", target_vecs, comp_vecs) / np.maximum(
+        t_norm[:, None] * c_norm, 1e-12)
+    best = cos.argmax(-1)
+    f = np.arange(len(best))
+    return float(cos[f, best].mean()), float((c_norm[f, best] / t_norm).mean()), best
+
+
+def tms_ground_truth(target: toy_models.TMS, components: Components,
+                     live: dict[str, np.ndarray] | None = None) -> dict[str, float]:
+    """MMCS/ML2R per TMS site over its live components (all when `live` is None).
+
+    linear1's feature f writes W[f, :]; component c's counterpart is V[f, c]·U[c, :].
+    linear2 reads feature f through column f of Wᵀ.
+    """
+    out = {}
+    W = np.asarray(target.W)
+    for site, comp in components.sites.items():
+        V, U = np.asarray(comp.V), np.asarray(comp.U)
+        if live is not None:
+            keep = np.asarray(live[site], bool)
+            if not keep.any():
+                out[f"mmcs/{site}"], out[f"ml2r/{site}"] = 0.0, 0.0
+                continue
+            V, U = V[:, keep], U[keep]
+        if site == "linear1":
+            t, c = W, np.einsum("fc,cd->fcd", V, U)
+        elif site == "linear2":
+            t, c = W, np.einsum("dc,cf->fcd", V, U)
+        else:
+            continue
+        out[f"mmcs/{site}"], out[f"ml2r/{site}"], _ = _match(t, c)
+    return out
+
+
+def one_hot_live(target: toy_models.TMS | toy_models.ResidMLP, components: Components, ci_fn,
+                 threshold: float, n: int, value: float = 0.75) -> dict[str, int]:
+    """Per site: components whose CI exceeds the threshold on some single-feature input
+    value·e_f (f < n, the target's features). The view of the paper's CI-per-feature plots:
+    unlike `live`, it cannot see a component that fires only when several features are on at
+    once."""
+    ci = metrics.causal_importances(target, components, ci_fn, value * jnp.eye(n, dtype=jnp.float32))
+    return {f"live_one_hot/{s}": int((np.asarray(v) > threshold).any(0).sum())
+            for s, v in ci.items()}
+
+
+def resid_one_to_one(target: toy_models.ResidMLP, components: Components, ci_fn,
+                     threshold: float) -> dict[str, int]:
+    """Per mlp_in site: how many features activate exactly one component that no other
+    feature activates (one-hot input e_f of value 1)."""
+    eye = jnp.eye(target.W_E.shape[0], dtype=jnp.float32)
+    ci = metrics.causal_importances(target, components, ci_fn, eye)
+    out = {}
+    for site, v in ci.items():
+        if not site.endswith("mlp_in"):
+            continue
+        active = np.asarray(v) > threshold  # [F, C]
+        per_comp = active.sum(0)
+        one = [(row.sum() == 1) and per_comp[row.argmax()] == 1 for row in active]
+        out[f"one_to_one/{site}"] = int(np.sum(one))
+    return out

@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
@@ -27,7 +27,9 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, PRNGKeyArray
 
+from pdecomp import adversary as adversary_lib
 from pdecomp import losses
+from pdecomp.adversary import Adversary, ascend
 from pdecomp.ci import CIFunction, ci_lower, ci_upper
 from pdecomp.components import (
     Components,
@@ -45,14 +47,6 @@ from pdecomp.masks import (
     sample_forward_masks,
 )
 from pdecomp.sharding import DEVICE, HOST, Layout, move
-
-
-class Adversary(eqx.Module):
-    """Persistent PGD sources per site, shaped by their scope ([1|B, 1|T, C+1]), in [0, 1],
-    and their ascent optimizer's moments."""
-
-    sources: dict[str, Array]
-    opt: optax.OptState
 
 
 class TrainState(eqx.Module):
@@ -152,22 +146,6 @@ def pgd_lr(pgd: PGDConfig, total_steps: int) -> optax.Schedule:
                                    warmup_frac=pgd.warmup_frac), total_steps)
 
 
-_PGD_ADAM = optax.scale_by_adam(b1=0.5, b2=0.99, eps=1e-8)
-# The adversary's ascent by name (`loss.pgd.optimizer`): (gradients, its moments) -> (the
-# direction, the moments after). sign: the gradients' signs; adam: Adam's step.
-PGD_OPTIMIZERS: dict[str, Callable[[dict, optax.OptState], tuple[dict, optax.OptState]]] = {
-    "adam": lambda grads, opt: _PGD_ADAM.update(grads, opt),
-    "sign": lambda grads, opt: (jax.tree.map(jnp.sign, grads), opt),
-}
-
-
-def ascend(adv: Adversary, grads: Mapping[str, Array], lr: Array, kind: str) -> Adversary:
-    """One ascent step on the sources (maximising D), then clamp to [0, 1]."""
-    direction, opt = PGD_OPTIMIZERS[kind](dict(grads), adv.opt)
-    sources = jax.tree.map(lambda s, d: jnp.clip(s + lr * d, 0.0, 1.0), adv.sources, direction)
-    return Adversary(sources, opt)
-
-
 # The learning-rate decays by name (`optim.<group>.schedule`): (lr, final_frac, steps) ->
 # a schedule from lr to final_frac x lr.
 SCHEDULES: dict[str, Callable[[float, float, int], optax.Schedule]] = {
@@ -245,7 +223,7 @@ def init_state(key: PRNGKeyArray, spec: StepSpec, target,
         sources = {s: jax.random.uniform(k, pgd_source_shape(spec.pgd.scope, spec.positions,
                                                              c))
                    for k, (s, c) in zip(keys, C.items())}
-        adversary = Adversary(sources, _PGD_ADAM.init(sources))
+        adversary = adversary_lib.fresh(sources)
     return TrainState(
         step=jnp.zeros((), jnp.int32), components=components, ci_fn=ci_fn,
         comp_opt=opts.components.init(optimized_components(spec, components)),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from pdecomp.adversary import PGD_OPTIMIZERS
 from pdecomp.ci import CI_FNS
 from pdecomp.config import (
     DATA_SOURCES,
@@ -29,7 +30,7 @@ from pdecomp.llama import SITE_LAYER_SAVES
 from pdecomp.losses import DISTANCES
 from pdecomp.masks import PLANS, ROUTINGS, SOURCES
 from pdecomp.resolve import data_axis
-from pdecomp.train import PGD_OPTIMIZERS, PGD_SCOPES, REMAT, SCHEDULES, TIE_UPDATES
+from pdecomp.train import PGD_SCOPES, REMAT, SCHEDULES, TIE_UPDATES
 
 
 def _choice(key: str, value: str, allowed: Iterable[str]) -> None:

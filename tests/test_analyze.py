@@ -111,7 +111,7 @@ def test_tms_feature_ci(tms_report: Path, cache) -> None:
         assert m.shape == (5, run.config.layers.C)
         lit = m > thr
         # every feature lights a component, and the components some feature lights are the
-        # run's own count of them (metrics.one_hot_live, at the end of training)
+        # run's own count of them (toys.one_hot_live, at the end of training)
         assert lit.any(1).all(), (site, m.max(1))
         assert int(lit.any(0).sum()) == summary[f"live_one_hot/{site}"]
 

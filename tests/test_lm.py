@@ -17,6 +17,7 @@ import pytest
 from conftest import run_on_cpu_devices
 
 from pdecomp import losses, targets
+from pdecomp.adversary import ascend
 from pdecomp.checkpoint import Checkpointer
 from pdecomp.ci import ci_lower
 from pdecomp.components import masked_linear, recording_linear
@@ -34,7 +35,7 @@ from pdecomp.config import (
 from pdecomp.masks import masks_from_sources, sample_forward_masks
 from pdecomp.metrics import fresh_pgd_masks, lm_mask_metrics
 from pdecomp.resolve import resolve
-from pdecomp.train import ascend, init_state, make_train_step, pgd_source_shape
+from pdecomp.train import init_state, make_train_step, pgd_source_shape
 from pdecomp.validation import validate
 
 SITES = [f"layers.{i}.mlp.{w}" for i in (1, 2) for w in ("gate_proj", "up_proj", "down_proj")]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from launcher import app
-from pdecomp import ci, hardware, llama, losses, masks, train
+from pdecomp import adversary, ci, hardware, llama, losses, masks, train
 from pdecomp.config import ConfigError, RunConfig
 from pdecomp.validation import validate
 
@@ -46,7 +46,7 @@ CHOICES = [
     (llama.SITE_LAYER_SAVES, "memory.site_layer_saves", RunConfig),
     (train.SCHEDULES, "optim.components.schedule", RunConfig),
     (train.PGD_SCOPES, "loss.pgd.scope", _llama),
-    (train.PGD_OPTIMIZERS, "loss.pgd.optimizer", _llama),
+    (adversary.PGD_OPTIMIZERS, "loss.pgd.optimizer", _llama),
     (train.TIE_UPDATES, "layers.tie_update", RunConfig),
     (ci.CI_FNS, "layers.ci_fn", RunConfig),
 ]
