@@ -42,7 +42,7 @@ from rich.table import Table
 # fp32, another 2-core host, where pdecomp's step of that time took 1.84 s and the same code
 # takes 2.86 s on an Intel 2-core host). The ratio to read is the one measured on the host
 # at hand: XLA:CPU's float32 rate differs by host kind far more than torch's does
-# (bench/RESULTS.md, "On an AMD Zen 5 host").
+# (bench/RESULTS.md, "Speed on CPU, side by side with the PyTorch reference").
 QUOTED = {"mlp": (4.44, 3.24), "shared_mlp": (4.18, 3.07), "vector_mlp": (4.52, 3.33)}
 CI_FNS = {"mlp": "[16]", "shared_mlp": "[550]", "vector_mlp": "[8]"}
 # A row's matmul operands -> the peak its rate is read against: (operand dtype, product's)

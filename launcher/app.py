@@ -31,7 +31,8 @@ from omegaconf import DictConfig, open_dict
 from launcher import callbacks, cluster
 from launcher.registry import register, to_run_config
 from pdecomp import hardware
-from pdecomp.config import EXIT_BAD_CONFIG, ConfigError, RunConfig
+from pdecomp.config import ConfigError, RunConfig
+from pdecomp.exits import EXIT_BAD_CONFIG
 from pdecomp.resolve import with_microbatch_size
 from pdecomp.validation import validate
 

@@ -17,9 +17,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Self
 
-from pdecomp.config import EXIT_BAD_CONFIG
-
-EXIT_REQUEUED = 75  # a rank that stopped for a requeue (EX_TEMPFAIL): not done, not failed
+from pdecomp.exits import EXIT_BAD_CONFIG, EXIT_INTERRUPTED
 
 
 @dataclass(frozen=True)
@@ -191,7 +189,7 @@ def interrupted(signum: int, frame: object) -> None:
     half-written is ever taken for a result: checkpoints and files are written whole)."""
     print("interrupted (Ctrl-C): exit 130", file=sys.stderr, flush=True)
     sys.stdout.flush()
-    os._exit(130)
+    os._exit(EXIT_INTERRUPTED)
 
 
 def requeue(max_requeues: int) -> str:

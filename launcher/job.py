@@ -23,8 +23,9 @@ from rich.table import Table
 from launcher import cluster, outcome
 from launcher.console import make_console
 from launcher.registry import to_run_config
-from pdecomp.config import EXIT_BAD_CONFIG, EXIT_GATE_REFUSED, ConfigError, RunConfig
-from pdecomp.storage import EXIT_WRITE_FAILED, WriteFailed
+from pdecomp.config import ConfigError, RunConfig
+from pdecomp.exits import EXIT_BAD_CONFIG, EXIT_FAULT, EXIT_GATE_REFUSED, EXIT_REQUEUED
+from pdecomp.storage import WriteFailed
 from pdecomp.units import GiB, fmt_bytes
 
 console = make_console(stderr=True)
@@ -259,26 +260,26 @@ def ended_by(job: Job, wb: WandbLogger | None, e: Exception) -> dict[str, Any]:
         line = f"{e}; resume with {again}"
         if job.in_sweep:  # the sweep's other jobs still run (and may fit)
             print(line, file=sys.stderr)
-            return job.ended(EXIT_WRITE_FAILED, line)
-        cluster.leave(job.ranks, line, EXIT_WRITE_FAILED)
+            return job.ended(EXIT_FAULT, line)
+        cluster.leave(job.ranks, line, EXIT_FAULT)
     if isinstance(e, Interrupted):
         interrupted(job, wb, e)
     if wb:
-        wb.finish(exit_code=1)
+        wb.finish(exit_code=EXIT_FAULT)
     if isinstance(e, NonFiniteLoss):  # a fault the run explains in full: no traceback
         print(f"error: {e}", file=sys.stderr)
-        return job.ended(1, f"error: {e}")
+        return job.ended(EXIT_FAULT, f"error: {e}")
     if not job.in_sweep:
         raise e
     traceback.print_exception(e)
-    return job.ended(1, f"{type(e).__name__}: {e}")
+    return job.ended(EXIT_FAULT, f"{type(e).__name__}: {e}")
 
 
 def interrupted(job: Job, wb: WandbLogger | None, e: Exception) -> None:
     """Stopped by a signal at a checkpoint: requeued (SLURM) or told how to resume."""
     signals = job.signals
     assert signals is not None
-    code = cluster.EXIT_REQUEUED if signals.requeue_requested() else signals.exit_code()
+    code = EXIT_REQUEUED if signals.requeue_requested() else signals.exit_code()
     if wb:
         wb.finish(exit_code=code)
     if job.in_slurm:
@@ -301,8 +302,8 @@ def _stop_for_scheduler(ranks: cluster.Ranks, signals: cluster.StopSignals, e: E
         if ranks.process_id == 0:
             cluster.say(ranks, f"{why}: {e}; {cluster.requeue(max_requeues)}")
         hosts.barrier("pdecomp: requeued")  # no rank leaves before the requeue is on record
-        cluster.say(ranks, f"exit {cluster.EXIT_REQUEUED}")
-        sys.exit(cluster.EXIT_REQUEUED)
+        cluster.say(ranks, f"exit {EXIT_REQUEUED}")
+        sys.exit(EXIT_REQUEUED)
     cluster.say(ranks, f"{why}: {e}; exit {signals.exit_code()}")
     sys.exit(signals.exit_code())
 

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pdecomp.config import EXIT_BAD_CONFIG, EXIT_GATE_REFUSED
+from pdecomp.exits import EXIT_BAD_CONFIG, EXIT_GATE_REFUSED
 from pdecomp.storage import write_text
 
 FILE = "outcome.json"

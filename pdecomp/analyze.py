@@ -32,7 +32,8 @@ from jaxtyping import Array
 from pdecomp import metrics, plots, toys
 from pdecomp.ci import ci_lower
 from pdecomp.commands import Parser, progress_bar
-from pdecomp.config import EVAL_SEED_OFFSET, EXIT_BAD_CONFIG
+from pdecomp.config import EVAL_SEED_OFFSET
+from pdecomp.exits import EXIT_BAD_CONFIG
 from pdecomp.kinds import kind_of, site_names_of
 from pdecomp.lm import token_stream
 from pdecomp.runs import LoadedRun, RunDirError, load_run

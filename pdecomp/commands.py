@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-from pdecomp.config import EXIT_BAD_CONFIG
+from pdecomp.exits import EXIT_BAD_CONFIG
 
 
 class Parser(argparse.ArgumentParser):

@@ -64,9 +64,6 @@ LLAMA3_ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor",
 SEED_MAX = 2**31 - 1
 EVAL_SEED_OFFSET = 10_000  # eval batches come from their own seed, not training's
 
-EXIT_BAD_CONFIG = 2  # the exit code of a run refused for its config
-EXIT_GATE_REFUSED = 3  # the exit code of a run whose memory gate refused it
-
 
 class ConfigError(ValueError):
     """A bad value in the run config. `str()` is the one-line message shown to the user."""

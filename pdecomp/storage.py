@@ -13,10 +13,6 @@ from pathlib import Path
 # tensorstore (orbax's array writer) reports the errno in its message, not as an OSError.
 _OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
 
-# The exit code of a run stopped by WriteFailed: a fault of the machine, not of the config
-# (2) or the memory gate (3); once it is mended the run resumes from its last checkpoint.
-EXIT_WRITE_FAILED = 1
-
 
 class WriteFailed(Exception):
     """A file of the run could not be written: a fault of the machine, not of the run's

@@ -102,3 +102,11 @@ def test_docs_cited_in_code_exist():
                     if not (ROOT / name).exists() and not (ROOT / "docs" / name).exists():
                         missing.append(f"{p.relative_to(ROOT)}:{i}: {name}")
     assert not missing, missing
+
+
+def test_every_exit_code_is_in_the_one_table():
+    from pdecomp.exits import EXIT_CODES
+
+    text = (ROOT / "docs" / "cli.md").read_text()
+    table = [line for line in text.splitlines() if re.match(r"^\| \d+ \|", line)]
+    assert sorted(int(line.split("|")[1]) for line in table) == sorted(EXIT_CODES)

@@ -32,7 +32,7 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmitit
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from launcher import cluster, outcome
-from pdecomp.config import EXIT_GATE_REFUSED
+from pdecomp.exits import EXIT_GATE_REFUSED
 
 log = logging.getLogger(__name__)
 
