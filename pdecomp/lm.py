@@ -17,7 +17,7 @@ import optax
 from jax.sharding import NamedSharding
 from jaxtyping import Array
 
-from pdecomp import data, llama, losses, metrics, sharding, targets
+from pdecomp import data, hf_checkpoint, llama, losses, metrics, sharding, targets
 from pdecomp.config import (
     EVAL_SEED_OFFSET,
     LLAMA_ATTN,
@@ -85,8 +85,23 @@ def token_stream(model: ModelConfig, d: DataConfig, seed: int, held_out: bool = 
                  ) -> data.TokenStream:
     """The training stream, or the held-out one the final evaluation reads."""
     spec = data.TokenSpec(d.source, d.path, d.token_dtype, d.column, d.seq_len,
-                          llama.arch(model).vocab_size, seed)
+                          arch(model).vocab_size, seed)
     return _open_tokens(spec).split(d.eval_frac, seed + EVAL_SEED_OFFSET)[held_out]
+
+
+def arch(model: ModelConfig) -> llama.LlamaConfig:
+    """The architecture of a run's Llama: config.json when a path is given, else the fields
+    of the model config (a pathless preset such as llama3_8b carries the real shapes)."""
+    if model.path:
+        return hf_checkpoint.load_config(model.path)
+    return llama.LlamaConfig(
+        vocab_size=model.vocab_size, hidden_size=model.d_embed, intermediate_size=model.d_mlp,
+        num_hidden_layers=model.n_layers, num_attention_heads=model.n_heads,
+        num_key_value_heads=model.n_kv_heads, head_dim=model.head_dim,
+        rms_norm_eps=model.rms_norm_eps, rope_theta=model.rope_theta,
+        rope_scaling=dict(model.rope_scaling) or None, tie_word_embeddings=model.tie_embeddings,
+        bias=tuple(model.attn_bias),
+        windows=(model.sliding_window,) * model.n_layers if model.sliding_window else ())
 
 
 class LlamaKind(Kind):
@@ -110,8 +125,8 @@ class LlamaKind(Kind):
             n_layers(m)  # a readable config.json
             # A model this loader computes, and every tensor there with its shape (headers).
             try:
-                llama.check_hf(m.path)
-            except llama.CheckpointError as e:
+                hf_checkpoint.check_hf(m.path)
+            except hf_checkpoint.CheckpointError as e:
                 raise ConfigError("model.path", m.path, str(e)) from None
             return
         for key in ("vocab_size", "d_mlp", "n_heads", "n_kv_heads"):
@@ -144,7 +159,7 @@ class LlamaKind(Kind):
         token_stream(model, data, seed)
 
     def init_target(self, key: Array, model: ModelConfig, dtype: Any) -> Any:
-        return llama.init_llama(key, llama.arch(model), dtype)
+        return llama.init_llama(key, arch(model), dtype)
 
     def train_target(self, model: ModelConfig, seed: int,
                      on_progress: Callable[[int, float], None] | None) -> Any:
@@ -204,7 +219,7 @@ class LlamaKind(Kind):
         m, dtype = model, jnp.dtype(target_dtype)
         if m.path:
             log(f"loading {m.path} ({target_dtype}); {covered(m, layers)}")
-            return llama.load_hf(m.path, dtype, shardings), {"path": m.path}
+            return hf_checkpoint.load_hf(m.path, dtype, shardings), {"path": m.path}
         if m.train_steps:
             target, meta = targets.load_shared_target(m, log)
             target = jax.tree.map(lambda w: w.astype(dtype), target)

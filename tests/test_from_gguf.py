@@ -16,7 +16,7 @@ from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
 from pdecomp import data, from_gguf, text
-from pdecomp.llama import load_config, load_hf
+from pdecomp.hf_checkpoint import load_config, load_hf
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llama"
 Q = gguf.GGMLQuantizationType

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The modules of the kinds themselves (and the registry); everything else is the core,
 # targets.py (the trained-target cache) included: it asks the kind to make, train and
 # check a target.
-PER_KIND = {"kinds.py", "toys.py", "toy_models.py", "lm.py", "llama.py"}
+PER_KIND = {"kinds.py", "toys.py", "toy_models.py", "lm.py", "llama.py", "hf_checkpoint.py"}
 SWITCH = re.compile(r"\.kind\s*(==|!=|\bin\b|\bnot in\b)|model\.kind\]|"
                     r"isinstance\([^)]*\b(TMS|ResidMLP|Llama)\b|tokens_per_example\([^)]*\)\s*>")
 

@@ -17,7 +17,7 @@ from test_lm import tiny_cfg, tokens
 from pdecomp import targets
 from pdecomp.components import frozen_linear
 from pdecomp.config import ConfigError
-from pdecomp.llama import CheckpointError, load_config, load_hf
+from pdecomp.hf_checkpoint import CheckpointError, load_config, load_hf
 from pdecomp.resolve import resolve
 from pdecomp.train import init_state, make_train_step
 from pdecomp.validation import validate

@@ -9,8 +9,8 @@ import pytest
 
 from pdecomp.components import Components, SiteComponents
 from pdecomp.config import TMSConfig
-from pdecomp.metrics import tms_ground_truth
 from pdecomp.targets import init_target
+from pdecomp.toys import tms_ground_truth
 
 
 def _perfect(W: jnp.ndarray, C: int, scale: float = 1.0) -> Components:
