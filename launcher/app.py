@@ -295,15 +295,15 @@ def _main() -> None:
         _restore(record)
         remove_if_empty(made)
     if _compile_in_flight():  # a gate-only run left XLA's code generation running
-        gate = sys.modules["pdecomp.gate"]
-        gate.end_process(0 if code is None else code if isinstance(code, int) else 1)
+        dump = sys.modules["pdecomp.xla_dump"]
+        dump.end_process(0 if code is None else code if isinstance(code, int) else 1)
     sys.exit(code)
 
 
 def _compile_in_flight() -> bool:
     # Looked up, not imported: only a job that ran has loaded the gate (and JAX with it).
-    gate = sys.modules.get("pdecomp.gate")
-    return gate is not None and gate.compile_in_flight()
+    dump = sys.modules.get("pdecomp.xla_dump")
+    return dump is not None and dump.compile_in_flight()
 
 
 if __name__ == "__main__":

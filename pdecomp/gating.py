@@ -16,8 +16,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
+from pdecomp import fit, hardware, sharding
 from pdecomp import gate as gate_lib
-from pdecomp import hardware, sharding
 from pdecomp.llama import SITE_LAYER_SAVES
 from pdecomp.resolve import Run
 from pdecomp.rundir import write_json
@@ -152,7 +152,7 @@ def search(run: Run, compiler: Compiler, log: Callable[[str], None]
            ) -> tuple[Run, Any, dict[str, Any]]:
     """gate.fit's search, or the run's own step: the run compiled, its executable, its report."""
     if run.gate.fit == "batch":
-        size, compiled, report = gate_lib.fit_batch(
+        size, compiled, report = fit.fit_batch(
             lambda b: compiler.compile(run.with_batch(b)), run.batch.size,
             compiler.layout.mesh.size * run.batch.microbatches, run.gate.fit_max_batch,
             lambda b: compiler.floor(run.with_batch(b)))
@@ -161,7 +161,7 @@ def search(run: Run, compiler: Compiler, log: Callable[[str], None]
             log(f"gate.fit=batch: data.batch_size={size}: {report['fit']['why']}")
         return run, compiled, report
     if run.gate.fit == "microbatches":
-        m, compiled, report = gate_lib.fit_microbatches(
+        m, compiled, report = fit.fit_microbatches(
             lambda m: compiler.compile(run.with_microbatches(m)),
             sharding.microbatch_counts(run.batch.size, compiler.layout.mesh.shape[sharding.AXIS]))
         run = run.with_microbatches(m)

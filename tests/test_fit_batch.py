@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import load_json, pdecomp
 
-from pdecomp.gate import fit_batch, fit_microbatches, format_report
+from pdecomp.fit import fit_batch, fit_microbatches
+from pdecomp.gate import format_report
 
 pytestmark = pytest.mark.jax_versions  # the search reads the gate's compiled figures
 

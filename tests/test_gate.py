@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from pdecomp import gate
+from pdecomp import gate, xla_dump
 from pdecomp.config import ConfigError, RunConfig
 from pdecomp.gate import tree_bytes
 from pdecomp.run import GateRefused, Hooks, decompose
@@ -162,7 +162,7 @@ def test_buffer_assignment_sums_like_memory_analysis(tmp_path):
     compiled = f.lower(jax.numpy.zeros((256, 256)), jax.numpy.ones((256, 64))).compile(
         {"xla_dump_to": str(tmp_path)})
     ma = compiled.memory_analysis()
-    sizes = gate.assignment_sizes(
+    sizes = xla_dump.assignment_sizes(
         next(tmp_path.glob("*after_optimizations-buffer-assignment.txt")))
     assert (sizes["argument"], sizes["output"], sizes["temp"], sizes["alias"]) == (
         ma.argument_size_in_bytes, ma.output_size_in_bytes, ma.temp_size_in_bytes,
@@ -180,8 +180,8 @@ def test_detached_deviceless_gate_reports_what_the_whole_compile_does(tmp_path):
                      gate=dc.replace(cfg.gate, only=True, target="b200"))
     whole = decompose(cfg, tmp_path / "whole")["gate"]
     early = decompose(cfg, tmp_path / "early", Hooks(detach_gate=True))["gate"]
-    detached = [t for t, _ in gate._detached]
-    for t in detached:  # this process goes on; a front end would end it (gate.end_process)
+    detached = [t for t, _ in xla_dump._detached]
+    for t in detached:  # this process goes on; a front end would end it (xla_dump.end_process)
         t.join()
     assert detached
     for k in ("argument", "output", "temp", "alias", "peak"):
