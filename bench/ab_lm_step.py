@@ -54,9 +54,9 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
-    from pdecomp import hardware
+    from launcher import host
 
-    hardware.run_host_programs_inline()  # as a `pdecomp` job runs CPU programs
+    host.run_programs_inline()  # as a `pdecomp` job runs CPU programs
     from launcher import api
     from pdecomp import sharding
     from pdecomp.checkpoint import Checkpointer
@@ -87,7 +87,7 @@ def main() -> None:
             layout = sharding.make_layout(r.placement.mesh, g.mesh)
             step = jax.jit(make_train_step(r.step, layout)).lower(state, target, sample(0))
             variants[name] = (step.compile(options or None), state, target, sample)
-    hardware.keep_freed_host_memory()  # after loading, as `decompose` does
+    host.keep_freed_blocks()  # after loading, as `decompose` does
 
     first = {}
     for name, (step, state, target, sample) in variants.items():

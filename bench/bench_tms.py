@@ -24,14 +24,15 @@ TORCH_FULL_RUN_S = 6 * 60.0
 STEP_SCRIPT = textwrap.dedent("""
     import dataclasses, json, sys, time, jax, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from pdecomp import hardware, targets, toys
+    from launcher import host
+    from pdecomp import targets, toys
     from pdecomp.config import RunConfig
     from pdecomp.resolve import resolve
     from pdecomp.train import init_state, make_train_step
     cfg = RunConfig()
     cfg = dataclasses.replace(cfg, layers=dataclasses.replace(cfg.layers, ci_fn=sys.argv[1]))
-    hardware.run_host_programs_inline()  # as a `pdecomp` job does for CPU training
-    hardware.keep_freed_host_memory()
+    host.run_programs_inline()  # as a `pdecomp` job does for CPU training
+    host.keep_freed_blocks()
     mesh = Mesh(np.array(jax.devices()), ("data",))
     rep, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     target = jax.device_put(targets.init_target(jax.random.PRNGKey(0), cfg.model), rep)

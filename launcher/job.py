@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from launcher import cluster, outcome
+from launcher import cluster, host, outcome
 from launcher.console import make_console
 from launcher.registry import to_run_config
 from pdecomp.config import ConfigError, RunConfig
@@ -163,9 +163,9 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
     it can end said in one line (an exit code, or a sweep's row)."""
     # Before JAX starts its backend: the GPU allocator gets the memory the gate caps at, and
     # a CPU program's temporaries come from the calling thread's reusable heap.
-    from pdecomp.hardware import export_job_memory, run_host_programs_inline
+    from pdecomp.hardware import export_job_memory
     export_job_memory(float(dict_cfg.memory.safety_fraction))
-    run_host_programs_inline()
+    host.run_programs_inline()
     job = start_job(dict_cfg)
     from pdecomp.run import decompose, prepare  # jax only once the job's runtime is set up
 
@@ -218,7 +218,8 @@ class ProgressView:
                      progress=self.on_progress,
                      should_stop=job.signals.stop_requested if job.signals else None,
                      detach_gate=not (job.in_slurm or job.multirun),
-                     keep_freed_host_memory=True, quiet_checkpoint_failures=True)
+                     on_target_loaded=host.keep_freed_blocks_on_cpu,
+                     quiet_checkpoint_failures=True)
 
     def on_gate(self, report: dict[str, Any]) -> None:
         if self.job.rank0:

@@ -19,14 +19,12 @@ class Hooks:
     # Asked every `logging.stop_check_every` steps; True on any process stops every process
     # at that step, with a checkpoint (raises Interrupted).
     should_stop: Callable[[], bool] | None = None
-    # The front end ends the process with gate.end_process after a gate-only run, so a
+    # The front end ends the process with xla_dump.end_process after a gate-only run, so a
     # deviceless gate may report from XLA's buffer assignment and leave code generation
     # running (gate.compile_and_report, detach).
     detach_gate: bool = False
-    # Process-wide, so the front end's to ask for: on a CPU backend, glibc keeps freed
-    # blocks for reuse (hardware.keep_freed_host_memory: the toys' steps 40% faster) from
-    # training on. A library caller's process is left as it was.
-    keep_freed_host_memory: bool = False
+    # Called once the frozen target is loaded (the launcher's host switch goes there).
+    on_target_loaded: Callable[[], None] | None = None
     # Process-wide likewise: orbax's tracebacks for a checkpoint failure that the run
     # reports itself are dropped (Checkpointer's `quiet`).
     quiet_checkpoint_failures: bool = False

@@ -71,10 +71,8 @@ def decompose(run: Run | RunConfig, run_dir: str | Path, hooks: Hooks | None = N
         return {"gate": g.report}
     target, target_meta = load_target(g.run, g.target_abs, hooks.log)
     note_peak(g, "target loaded")
-    # Only now: kept from the start, the loader's freed host copies (stacking the layers'
-    # tensors: 0.44 GB for SmolLM2's 0.54 GB) stayed resident for the whole run.
-    if hooks.keep_freed_host_memory and jax.default_backend() == "cpu":
-        hardware.keep_freed_host_memory()
+    if hooks.on_target_loaded:
+        hooks.on_target_loaded()
     ckpt = Checkpointer(run_dir / "checkpoints", writer=True,
                         quiet=hooks.quiet_checkpoint_failures)
     state, start = initial_state(g, target, ckpt, hooks.log)

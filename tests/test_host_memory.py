@@ -23,10 +23,10 @@ pytestmark = pytest.mark.jax_versions
 SCRIPT = textwrap.dedent("""
     import json, resource, statistics, sys
     import jax, jax.numpy as jnp
-    from pdecomp import hardware
+    from launcher import host
     if sys.argv[1] == "inline":
-        hardware.run_host_programs_inline()
-    glibc = hardware.keep_freed_host_memory()
+        host.run_programs_inline()
+    glibc = host.keep_freed_blocks()
     f = jax.jit(lambda x: (jnp.outer(x, x) @ x[:, None]).sum())
     x = jnp.linspace(0, 1, 8192)
     faults = []
@@ -50,11 +50,11 @@ def _faults(mode: str) -> dict:
 def test_a_cpu_job_reuses_its_temporaries():
     """XLA:CPU runs a program on a worker thread by default, where glibc maps any block
     over 64 MiB anew each time; run inline, the block comes from the main arena, which
-    `keep_freed_host_memory` keeps. On a failure the default mode runs too, as the control
+    `keep_freed_blocks` keeps. On a failure the default mode runs too, as the control
     (every run faults all the temporary's pages in: 65,545 of 65,536 here)."""
     inline = _faults("inline")
     if not inline["glibc"]:
-        pytest.skip("not glibc: keep_freed_host_memory changes nothing here")
+        pytest.skip("not glibc: keep_freed_blocks changes nothing here")
     if inline["median"] >= PAGES / 8:
         pytest.fail(f"faults per run inline {inline['faults']}, XLA's default "
                     f"{_faults('default')['faults']} (the temporary: {PAGES} pages)")
