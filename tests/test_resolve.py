@@ -1,0 +1,74 @@
+"""A run resolved once: `resolve(cfg)` makes the frozen `Run` every layer below reads (the
+batch plan, the placement, the step spec, absolute paths, provenance), the gate's searches
+make new runs rather than rewrite a config, and run.json records what it resolved to."""
+
+from __future__ import annotations
+
+import dataclasses as dc
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from pdecomp.config import DataConfig, RunConfig
+from pdecomp.kinds import run_config
+from pdecomp.resolve import BatchPlan, resolve
+
+
+def test_a_run_is_resolved_once_and_frozen():
+    cfg = dc.replace(RunConfig(), data=dc.replace(RunConfig().data, batch_size=1024))
+    run = resolve(cfg, n_devices=1)
+    assert run.kind.schema.__name__ == "TMSConfig" and dict(run.sites) == {
+        "linear1": 20, "linear2": 20}
+    assert dict(run.tied) == {"linear2": "linear1"}
+    assert run.batch == BatchPlan(1024, 1, 1) and run.batch.microbatch == 1024
+    assert run.placement.deviceless is False and run.placement.data_axis == 1
+    assert run.step.sites == ("linear1", "linear2") and run.step.positions == (1024,)
+    assert run.config == run.composed == cfg  # nothing to resolve in a toy's config
+    with pytest.raises(dc.FrozenInstanceError):
+        run.batch = BatchPlan(1, 1, 1)  # type: ignore[misc]
+
+
+def test_microbatch_size_settles_into_the_plan_and_the_step():
+    cfg = dc.replace(RunConfig(), data=dc.replace(RunConfig().data, batch_size=4096),
+                     optim=dc.replace(RunConfig().optim, microbatch_size=512))
+    run = resolve(cfg, n_devices=2)
+    assert run.batch == BatchPlan(4096, 4, 2) and run.batch.microbatch == 1024
+    assert run.step.microbatches == 4 and run.config.optim.microbatches == 4
+    assert run.composed.optim.microbatches == 1  # config.yaml keeps what was composed
+
+
+def test_the_gates_searches_make_new_runs():
+    run = resolve(RunConfig(), n_devices=1)
+    bigger = run.with_batch(8192)
+    assert (bigger.batch.size, bigger.step.positions, bigger.config.data.batch_size) == (
+        8192, (8192,), 8192)
+    assert run.batch.size == 4096 and run.step.positions == (4096,)  # the first is as it was
+    split = run.with_microbatches(4)
+    assert split.batch == BatchPlan(4096, 4, 1) and split.step.microbatches == 4
+    assert split.composed is run.composed
+
+
+def test_paths_are_made_absolute_against_the_working_directory(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = dc.replace(RunConfig(), data=DataConfig(source="tokens", path="text/topics.bin"))
+    run = resolve(cfg, n_devices=1)
+    assert run.data.path == str(tmp_path / "text" / "topics.bin")
+    assert run.composed.data.path == "text/topics.bin"
+    assert resolve(run.config, n_devices=1).data.path == run.data.path  # idempotent
+
+
+def test_run_json_records_the_resolved_run_and_reads_back():
+    cfg = dc.replace(RunConfig(), optim=dc.replace(RunConfig().optim, microbatches=2))
+    run = resolve(cfg, n_devices=1)
+    record = json.loads(json.dumps(run.record()))
+    assert record["batch"] == {"size": 4096, "microbatches": 2, "data_axis": 1,
+                               "microbatch": 2048}
+    assert record["sites"] == {"linear1": 20, "linear2": 20} and record["kind"] == "tms"
+    assert run_config(record["config"]) == run.config
+    prov = record["provenance"]
+    assert prov["jax"] and prov["python"] and prov["pdecomp"]
+    if (Path(__file__).resolve().parents[1] / ".git").exists():  # a checkout: its commit
+        assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", prov["commit"]), prov["commit"]
