@@ -22,7 +22,7 @@ from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
 from pdecomp import from_gguf
-from pdecomp.llama import load_config, load_hf
+from pdecomp.hf_checkpoint import load_config, load_hf
 
 HERE = Path(__file__).parent / "fixtures" / "smollm2"
 META = json.loads((HERE / "reference.json").read_text())
