@@ -36,7 +36,7 @@ CASES: list[tuple[str, list[str]]] = [
 
 def gate_only(args: list[str], run_dir: str) -> tuple[float, dict]:
     """The whole command's wall seconds and its gate report (a refusal, exit 3, too)."""
-    cmd = [PDECOMP, "gate.only=true", "logging.wandb=false", f"hydra.run.dir={run_dir}", *args]
+    cmd = [PDECOMP, "gate.only=true", "logging.wandb.mode=disabled", f"hydra.run.dir={run_dir}", *args]
     t = time.perf_counter()
     res = subprocess.run(cmd, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - t

@@ -31,7 +31,7 @@ from pathlib import Path
 from peak import matmul_peak
 
 GiB = 2 ** 30
-QUIET = ["logging.wandb=false", "logging.progress=false", "logging.plots=false",
+QUIET = ["logging.wandb.mode=disabled", "logging.progress=false", "logging.plots=false",
          "logging.ckpt_every=100000"]
 # name -> (overrides, compute dtype of its matmuls, what it is)
 JOBS: dict[str, tuple[list[str], str, str]] = {

@@ -48,7 +48,7 @@ CI_FNS = {"mlp": "[16]", "shared_mlp": "[550]", "vector_mlp": "[8]"}
 # A row's matmul operands -> the peak its rate is read against: (operand dtype, product's)
 PEAKS = {"float32": ("float32", None), "bfloat16": ("bfloat16", "float32")}
 JOB = ["loss.pgd.coeff=0", "optim.faith_warmup_steps=0", "loss.eval_pgd.n_steps=0",
-       "data.eval_batches=1", "logging.wandb=false", "logging.progress=false",
+       "data.eval_batches=1", "logging.wandb.mode=disabled", "logging.progress=false",
        "logging.plots=false", "logging.ckpt_every=100000"]
 
 

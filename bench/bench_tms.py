@@ -62,7 +62,7 @@ def full_run(cpu_devices: int) -> tuple[float, dict]:
     env = {**os.environ, "PDECOMP_CPU_DEVICES": str(cpu_devices)}
     with tempfile.TemporaryDirectory() as d:
         cmd = [os.path.join(os.path.dirname(sys.executable), "pdecomp"), "logging.progress=false"]
-        subprocess.run([*cmd, "optim.steps=1", "logging.wandb=false", f"hydra.run.dir={d}/warm"],
+        subprocess.run([*cmd, "optim.steps=1", "logging.wandb.mode=disabled", f"hydra.run.dir={d}/warm"],
                        check=True, capture_output=True, env=env)
         t = time.perf_counter()
         subprocess.run([*cmd, f"hydra.run.dir={d}/run"], check=True, capture_output=True, env=env)

@@ -235,6 +235,16 @@ def _restore(record: tuple[Path, dict[str, bytes]] | None) -> None:
         (directory / name).write_bytes(data)
 
 
+def version_line() -> str:
+    """`pdecomp --version`: the version, the commit of the checkout it runs from, and the
+    versions that make its figures (jax's above all)."""
+    from pdecomp.resolve import provenance
+
+    p = provenance()
+    return (f"pdecomp {p['pdecomp']} (commit {p['commit'] or 'unknown: not a git checkout'}; "
+            f"jax {p['jax']}, Python {p['python']})")
+
+
 def main() -> None:
     # Ctrl-C outside training (composing, tracing, a gate-only compile) ends the process at
     # once. As an exception it could be swallowed: raised inside a garbage-collection
@@ -250,6 +260,9 @@ SUBCOMMANDS = {"analyze": "pdecomp.analyze", "convert": "pdecomp.from_gguf",
 
 
 def _main() -> None:
+    if sys.argv[1:2] in (["--version"], ["-V"]):  # pdecomp's, not Hydra's
+        print(version_line())
+        return
     if sys.argv[1:2] == ["analyze"]:
         from launcher.job import log_report
         from pdecomp.analyze import main as analyze
@@ -267,7 +280,10 @@ def _main() -> None:
         except Exception as e:  # noqa: BLE001 - ours, Hydra's and OmegaConf's compose-time errors
             print(error_line(e), file=sys.stderr)
             sys.exit(EXIT_BAD_CONFIG)
-        if not run.launcher.endswith("BasicLauncher") and not {"-m", "--multirun"} & set(sys.argv):
+        # Hydra allows one of these modes; printing the config or Hydra's info runs no job.
+        prints = {"--cfg", "-c", "--info", "-i", "--shell-completion", "-sc"} & set(sys.argv)
+        if not (run.launcher.endswith("BasicLauncher") or prints
+                or {"-m", "--multirun"} & set(sys.argv)):
             # Hydra uses its launcher in multirun mode only: a run submitted to a cluster is
             # a sweep of one job.
             sys.argv.insert(1, "--multirun")

@@ -52,22 +52,29 @@ def temps_table(report: dict[str, Any]) -> Table | None:
     return table
 
 
-class WandbLogger:
-    """Offline by default; every file stays inside the run directory; resumes its own run."""
+def wandb_mode(cfg: RunConfig) -> str:
+    """`logging.wandb.mode`, else $WANDB_MODE, else offline."""
+    return cfg.logging.wandb.mode or os.environ.get("WANDB_MODE") or "offline"
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, config: dict[str, Any]):
+
+class WandbLogger:
+    """One wandb run per job, resumed by its id (`wandb_id.txt` in the run directory),
+    named and grouped as `logging.wandb` and the job say; wandb's own environment and login
+    (a self-hosted host, an entity) are the user's."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, config: dict[str, Any],
+                 identity: dict[str, Any]):
         import wandb
 
-        os.environ.setdefault("WANDB_MODE", "offline")
-        for var in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
-            os.environ.setdefault(var, str(run_dir))
         os.environ.setdefault("WANDB_SILENT", "true")
         id_file = run_dir / "wandb_id.txt"
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
         id_file.write_text(run_id)
-        self.run = wandb.init(project=cfg.logging.wandb_project, name=cfg.name, id=run_id,
+        w = cfg.logging.wandb
+        self.run = wandb.init(project=w.project, entity=w.entity or None, id=run_id,
                               resume="allow", dir=str(run_dir), config=config,
-                              settings=wandb.Settings(console="off", x_disable_stats=True))
+                              mode=wandb_mode(cfg), job_type=w.job_type, **identity,
+                              settings=wandb.Settings(console="wrap"))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
@@ -79,16 +86,36 @@ class WandbLogger:
         self.run.finish(exit_code=exit_code)
 
 
+def wandb_identity(job: Job) -> dict[str, Any]:
+    """The run's name (`logging.wandb.name`, else the preset and what this job sets: in a
+    sweep, the values it varies, so each job's name is its own), its group (the sweep's,
+    shared by its jobs) and tags (the preset's name and `logging.wandb.tags`)."""
+    w = job.cfg.logging.wandb
+    parts = [job.preset or job.cfg.name, *job.varied]
+    sweep = Path(job.sweep_dir)
+    return {"name": w.name or " ".join(parts),
+            "group": w.group or (f"{sweep.parent.name}/{sweep.name}" if job.multirun else None),
+            "tags": [*w.tags, *([job.preset] if job.preset else [])]}
+
+
+def wandb_config(job: Job) -> dict[str, Any]:
+    """What the run's wandb config records: the composed config, and what made it."""
+    from pdecomp.resolve import provenance
+
+    return {**job.resolved, "pdecomp": {**provenance(), "preset": job.preset,
+                                        "overrides": job.overrides}}
+
+
 def log_report(run: Any, index: Path) -> None:
     """After `pdecomp analyze` on a run that logs to wandb: the report's plots, as images,
     in that run's wandb (resumed by its id; offline unless WANDB_MODE says otherwise)."""
-    if not run.config.logging.wandb:
+    if wandb_mode(run.config) == "disabled":
         return
     import wandb
     import yaml
 
     config = yaml.safe_load((run.run_dir / "config.yaml").read_text())
-    wb = WandbLogger(run.config, run.run_dir, config)
+    wb = WandbLogger(run.config, run.run_dir, config, {})
     wb.run.log({f"analyze/{p.stem}": wandb.Image(str(p))
                 for p in sorted(index.parent.glob("*.png"))})
     wb.finish()
@@ -112,6 +139,9 @@ class Job:
     sweep_dir: str
     in_slurm: bool
     ranks: cluster.Ranks
+    preset: str | None  # the `+experiment=` it was composed with
+    overrides: list[str]  # the job's overrides, as Hydra applied them
+    varied: list[str]  # those a sweep varies (a single run: all of them)
     signals: cluster.StopSignals | None = None
 
     @property
@@ -143,8 +173,11 @@ def start_job(dict_cfg: DictConfig) -> Job:
     resolved = OmegaConf.to_container(dict_cfg, resolve=True, enum_to_str=True)
     hc = HydraConfig.get()
     in_slurm = cluster.in_slurm_job()
-    job = Job(to_run_config(resolved), resolved, Path(hc.runtime.output_dir),
-              hc.mode == RunMode.MULTIRUN, str(hc.sweep.dir), in_slurm, cluster.job_ranks())
+    multirun, overrides = hc.mode == RunMode.MULTIRUN, list(hc.overrides.task)
+    job = Job(to_run_config(resolved), resolved, Path(hc.runtime.output_dir), multirun,
+              str(hc.sweep.dir), in_slurm, cluster.job_ranks(),
+              hc.runtime.choices.get("experiment"), overrides,
+              varied(overrides, Path(hc.sweep.dir)) if multirun else shown(overrides))
     # A scheduler's signal, or SIGTERM / Ctrl-C, stops training at the next step boundary
     # with a checkpoint; the run resumes from it.
     if not (job.cfg.gate.only and not in_slurm):
@@ -156,6 +189,29 @@ def start_job(dict_cfg: DictConfig) -> Job:
         cluster.say(job.ranks, f"job {os.environ['SLURM_JOB_ID']} on {os.uname().nodename}, "
                                f"node {job.ranks.node}/{job.ranks.num_nodes}")
     return job
+
+
+def shown(overrides: list[str]) -> list[str]:
+    """The overrides that say what a run is: not the preset (named apart), Hydra's own
+    settings or wandb's."""
+    return [o for o in overrides if not o.lstrip("+~").startswith(
+        ("experiment=", "hydra.", "hydra/", "logging."))]
+
+
+def varied(overrides: list[str], sweep_dir: Path) -> list[str]:
+    """This job's values of the keys its sweep varies (the sweep's own overrides are in
+    `multirun.yaml`, which Hydra's sweeper writes before any job starts)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        swept = OmegaConf.load(sweep_dir / "multirun.yaml").hydra.overrides.task
+    except (OSError, AttributeError):
+        return shown(overrides)
+    parser = OverridesParser.create()
+    keys = {o.get_key_element() for o in parser.parse_overrides(list(swept))
+            if o.is_sweep_override()}
+    mine = [o for o in overrides if o.partition("=")[0] in keys]
+    return mine or shown(overrides)
 
 
 def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
@@ -176,8 +232,8 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
         if job.rank0 and not (job.multirun or job.in_slurm):
             _discard(job.run_dir)
         return job.ended(EXIT_BAD_CONFIG, str(e))
-    wb = WandbLogger(job.cfg, job.run_dir, job.resolved) if (
-        job.cfg.logging.wandb and job.rank0) else None
+    wb = WandbLogger(job.cfg, job.run_dir, wandb_config(job), wandb_identity(job)) if (
+        wandb_mode(job.cfg) != "disabled" and job.rank0) else None
     progress = ProgressView(job, wb)
     try:
         with progress.bar, (job.signals or contextlib.nullcontext()):

@@ -353,6 +353,24 @@ class GateConfig:
     calibrate_after: int = 10  # steps before the measured peak is read (where reported)
 
 
+# offline: files in the run directory, `wandb sync` sends them later; disabled: no wandb.
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    """wandb's own settings for the run, as wandb names them. Empty strings: wandb's default
+    (its environment variables and `wandb login` settings, then pdecomp's)."""
+
+    mode: str = ""  # offline | online | disabled; "": $WANDB_MODE, else offline
+    project: str = "pdecomp"
+    entity: str = ""  # "": $WANDB_ENTITY, else the login's default
+    name: str = ""  # "": the preset and what the job sets (a sweep's job: what it varies)
+    group: str = ""  # "": a sweep's jobs share the sweep's; a single run has none
+    job_type: str = "decompose"
+    tags: list[str] = field(default_factory=list)  # the preset's name is added
+
+
 @dataclass(frozen=True)
 class LoggingConfig:
     log_every: int = 100
@@ -360,8 +378,7 @@ class LoggingConfig:
     # How often the processes of a job agree whether a scheduler asked them to stop (a
     # collective; SLURM warns `signal_delay_s` ahead, which must cover this many steps).
     stop_check_every: int = 10
-    wandb: bool = True
-    wandb_project: str = "pdecomp"
+    wandb: WandbConfig = field(default_factory=WandbConfig)
     progress: bool = True
     plots: bool = True
 

@@ -89,7 +89,9 @@ def decompose(run: Run | RunConfig, run_dir: str | Path, hooks: Hooks | None = N
     summary.update(draw(g.run, evaluated, history, run_dir))
     last = history[-1] if history else {}
     summary.update({k: v for k, v in last.items() if k.startswith(("loss/", "perf/"))})
-    summary.update({"steps": steps, "target/seed": target_meta.get("seed")})
+    made_by = g.run.record()["provenance"]
+    summary.update({"steps": steps, "target/seed": target_meta.get("seed"),
+                    "pdecomp/version": made_by["pdecomp"], "pdecomp/commit": made_by["commit"]})
     if calibrate(g.report, g.mesh):  # the whole run's peak, evaluation included
         write_json(run_dir / "gate.json", g.report)
         summary["hbm/predicted_over_measured"] = g.report["predicted_over_measured"]

@@ -19,6 +19,7 @@ from pdecomp.config import (
     REMAT_NAMES,
     SEED_MAX,
     TOKEN_DTYPES,
+    WANDB_MODES,
     ConfigError,
     OptGroupConfig,
     RunConfig,
@@ -282,3 +283,5 @@ def _validate_memory_and_gate(cfg: RunConfig) -> None:
     check_positive("logging.log_every", cfg.logging.log_every)
     check_positive("logging.ckpt_every", cfg.logging.ckpt_every, zero_ok=True)
     check_positive("logging.stop_check_every", cfg.logging.stop_check_every)
+    if cfg.logging.wandb.mode:
+        _choice("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)

@@ -67,6 +67,45 @@ def ok(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[st
     return proc
 
 
+WANDB = console_script("wandb")
+
+
+def leet(args: list[str]) -> str:
+    """`wandb leet inspect`: an offline run's files read back, as wandb reads them."""
+    proc = subprocess.run([WANDB, "leet", "inspect", *args], check=False, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    return proc.stdout
+
+
+def wandb_run_dirs(run_dir: Path) -> list[Path]:
+    return sorted((run_dir / "wandb").glob("offline-run-*"))
+
+
+def wandb_run(run_dir: Path) -> dict[str, Any]:
+    """The offline wandb run a job left in `run_dir`: its summary view (name, tags, config)
+    with the run record's group and job type."""
+    (wb_dir,) = wandb_run_dirs(run_dir)
+    run = json.loads(leet(["--summary", "--json", str(wb_dir)]))
+    records = [json.loads(line) for line in leet(["--json", str(wb_dir)]).splitlines() if line]
+    record = next(r["run"] for r in records if r.get("type") == "run")
+    return {**run, "group": record.get("run_group"), "job_type": record.get("job_type")}
+
+
+def check_sweep_wandb(job_dirs: list[Path], key: str) -> None:
+    """Each job of a sweep over `key` left a wandb run named for its value of `key` (names
+    distinct), all in one group, with the preset, its overrides, pdecomp's version and the
+    commit in its config."""
+    runs = [wandb_run(d) for d in job_dirs]
+    assert len({r["name"] for r in runs}) == len(runs), [r["name"] for r in runs]
+    assert len({r["group"] for r in runs}) == 1 and runs[0]["group"], [r["group"] for r in runs]
+    for r in runs:
+        mine = [o for o in r["config"]["pdecomp"]["overrides"] if o.startswith(f"{key}=")]
+        assert len(mine) == 1 and r["name"].endswith(mine[0]), (r["name"], mine)
+        assert r["job_type"] == "decompose" and r["config"]["pdecomp"]["pdecomp"]
+        assert r["config"]["pdecomp"]["commit"], r["config"]["pdecomp"]
+
+
 def copy_of(finished: tuple[Path, subprocess.CompletedProcess[str]], dest: Path) -> Path:
     """A module's shared finished run (its directory and the process that made it), checked
     and copied to `dest`, so a test can resume or damage it and leave the shared one as it

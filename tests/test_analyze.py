@@ -18,7 +18,7 @@ from pdecomp import analyze, metrics
 from pdecomp.lm import token_stream
 from pdecomp.runs import load_run
 
-QUIET = ["logging.wandb=false", "logging.progress=false", "logging.plots=false"]
+QUIET = ["logging.wandb.mode=disabled", "logging.progress=false", "logging.plots=false"]
 SITE = "layers.1.mlp.up_proj"
 SITES = "[layers.1.mlp.gate_proj,layers.1.mlp.up_proj,layers.1.mlp.down_proj]"
 
@@ -45,7 +45,7 @@ def tms_report(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) ->
     run_dir = tmp / "run"
     # with wandb (offline, the env fixture's): the report's plots go there too
     ok(pdecomp(["+experiment=tms_5-2", "optim.steps=300",
-                *(q for q in QUIET if not q.startswith("logging.wandb=")),
+                *(q for q in QUIET if not q.startswith("logging.wandb.")),
                 f"hydra.run.dir={run_dir}"], tmp, env))
     ok(pdecomp(["analyze", str(run_dir)], tmp, env))
     return run_dir

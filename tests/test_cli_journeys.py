@@ -16,11 +16,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import console_script, copy_of, load_json, ok, pdecomp
+from conftest import check_sweep_wandb, copy_of, leet, load_json, ok, pdecomp, wandb_run_dirs
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llama"
-
-WANDB = console_script("wandb")
 
 # Tiny runs: a few seconds of training each on a CPU.
 TINY = ["optim.steps=40", "logging.log_every=10", "model.train_steps=500",
@@ -37,13 +35,9 @@ ALL_GROUPS = [
     "mesh=single",
     "memory.safety_fraction=0.8",
     "gate.target=local",
-    "logging.wandb_project=journeys", "logging.ckpt_every=20",
+    "logging.wandb.project=journeys", "logging.ckpt_every=20",
 ]
 GATE_KEYS = ("peak_bytes", "argument_bytes", "temp_bytes", "cap_bytes", "fits")
-
-
-def wandb_run_dirs(run_dir: Path) -> list[Path]:
-    return sorted((run_dir / "wandb").glob("offline-run-*"))
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +115,7 @@ def test_run_with_overrides_in_every_group(full_run) -> None:
     assert cfg["mesh"]["name"] == "single" and cfg["mesh"]["data"] == 1
     assert cfg["memory"]["safety_fraction"] == 0.8
     assert cfg["gate"]["target"] == "local"
-    assert cfg["logging"]["wandb_project"] == "journeys"
+    assert cfg["logging"]["wandb"]["project"] == "journeys"
     assert cfg["model"]["max_retrain"] == 5
 
     gate = load_json(run_dir / "gate.json")
@@ -317,6 +311,7 @@ def check_sweep(proc: subprocess.CompletedProcess[str], sweep_dir: Path) -> None
     assert all("summary.json" in r and "gate.json" in r for r in rows)
     assert sorted(o for r in rows for o in r["overrides"] if o.startswith("data.batch_size=")) \
         == ["data.batch_size=128", "data.batch_size=256", "data.batch_size=512"]
+    check_sweep_wandb([sweep_dir / j for j in jobs], "data.batch_size")
 
 
 @pytest.mark.slow  # whole CLI runs, alike under every jax: the full suite, not the fast tier
@@ -337,13 +332,6 @@ def test_sweep_submitit_local(env: dict[str, str], tmp_path: Path) -> None:
 
 
 # --- wandb read back -------------------------------------------------------------------
-
-
-def leet(args: list[str]) -> str:
-    proc = subprocess.run([WANDB, "leet", "inspect", *args], check=False, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
-    return proc.stdout
 
 
 def test_offline_wandb_run_reads_back(full_run) -> None:
@@ -381,9 +369,26 @@ def test_offline_wandb_run_reads_back(full_run) -> None:
     assert rows[40]["loss/total"] == pytest.approx(summary["loss/total"])
 
 
+@pytest.mark.parametrize("cluster", ["basic", "local", "slurm", "slurm_b200x64"])
+def test_cfg_job_prints_with_every_cluster(cluster: str, env: dict[str, str],
+                                           tmp_path: Path) -> None:
+    """Hydra's own flags work whatever the launcher: a submitting one no longer turns the
+    command into a sweep that Hydra refuses beside --cfg."""
+    proc = ok(pdecomp([f"cluster={cluster}", "+experiment=tms_40-10", "--cfg", "job"],
+                      tmp_path, env, timeout=120))
+    assert yaml.safe_load(proc.stdout)["model"]["name"] == "tms_40-10"
+    assert not list(tmp_path.iterdir())  # printing makes no directory
+
+
+def test_version_is_pdecomps(env: dict[str, str], tmp_path: Path) -> None:
+    line = ok(pdecomp(["--version"], tmp_path, env, timeout=120)).stdout.strip()
+    assert re.fullmatch(r"pdecomp \S+ \(commit [0-9a-f]{40}(-dirty)?; jax \S+, Python \S+\)",
+                        line), line
+
+
 def test_mesh_larger_than_the_jobs_devices_exits_2(tmp_path: Path, env: dict[str, str]) -> None:
     """Only the job knows its devices: the check runs there and still ends with exit 2."""
-    proc = pdecomp([*TINY, "mesh.data=64", "logging.progress=false", "logging.wandb=false"],
+    proc = pdecomp([*TINY, "mesh.data=64", "logging.progress=false", "logging.wandb.mode=disabled"],
                    tmp_path, env)
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
     assert "Traceback" not in proc.stderr

@@ -9,7 +9,7 @@ import pytest
 from conftest import load_json, ok, pdecomp
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llama"
-QUIET = ["logging.wandb=false", "logging.progress=false"]
+QUIET = ["logging.wandb.mode=disabled", "logging.progress=false"]
 
 
 @pytest.mark.slow

@@ -150,7 +150,7 @@ _REPORT = {"target": "t", "mesh": {"data": 1}, **{f"{k}_bytes": 0 for k in (
 def test_cli_impossible_cap_refuses_without_a_search(tmp_path: Path, env: dict[str, str]) -> None:
     """TMS with a cap below its arguments: exit 3 and one line, with nothing compiled."""
     run_dir = tmp_path / "fit"
-    proc = pdecomp(["gate.fit=batch", "memory.hbm_cap_gib=0.000001", "logging.wandb=false",
+    proc = pdecomp(["gate.fit=batch", "memory.hbm_cap_gib=0.000001", "logging.wandb.mode=disabled",
                     f"hydra.run.dir={run_dir}"], tmp_path, env)
     assert proc.returncode == 3, (proc.returncode, proc.stderr[-3000:])
     assert "Traceback" not in proc.stderr
@@ -198,7 +198,7 @@ def test_cli_fit_microbatches_takes_the_fewest_under_the_cap(tmp_path: Path,
     """The residual MLP at batch 2048 with a cap between its 1- and 8-microbatch peaks: the
     run trains with the count the search chose, and gate.json says which were compiled."""
     run_dir = tmp_path / "fit"
-    base = ["+experiment=resid_mlp1", "gate.only=true", "logging.wandb=false"]
+    base = ["+experiment=resid_mlp1", "gate.only=true", "logging.wandb.mode=disabled"]
     peaks = {}
     for m in (1, 8):
         proc = pdecomp([*base, f"optim.microbatches={m}", f"hydra.run.dir={tmp_path / str(m)}"],

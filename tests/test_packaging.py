@@ -20,7 +20,7 @@ SOURCES = ("pyproject.toml", "README.md", "pdecomp", "launcher", "hydra_plugins"
 WHERE = "import launcher.app, pdecomp; print(launcher.app.CONF_DIR); print(pdecomp.__file__)"
 API = ("from launcher import api; run = api.load_run('tms'); "
        "cfg = api.compose(['optim.steps=50', 'optim.faith_warmup_steps=10', "
-       "'logging.wandb=false']); print(run.step, run.config == cfg)")
+       "'logging.wandb.mode=disabled']); print(run.step, run.config == cfg)")
 # Hydra's own plugin scan, which any Hydra app in the environment runs at start.
 LAUNCHERS = ("from hydra.core.plugins import Plugins; "
              "from hydra.plugins.launcher import Launcher; "
@@ -78,11 +78,11 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path: Path) -> None:
     for line in where.stdout.split():
         assert Path(line).is_relative_to(venv), line  # the installed copy, not the checkout
 
-    gate = ok(run([pdecomp, "gate.only=true", "logging.wandb=false",
+    gate = ok(run([pdecomp, "gate.only=true", "logging.wandb.mode=disabled",
                    "hydra.run.dir=gate"], work, env))
     assert json.loads((work / "gate" / "gate.json").read_text())["fits"], gate.stdout[-2000:]
 
-    ok(run([pdecomp, "optim.steps=50", "optim.faith_warmup_steps=10", "logging.wandb=false",
+    ok(run([pdecomp, "optim.steps=50", "optim.faith_warmup_steps=10", "logging.wandb.mode=disabled",
             "hydra.run.dir=tms"], work, env))
     summary = json.loads((work / "tms" / "summary.json").read_text())
     assert summary["steps"] == 50 and "mmcs/linear1" in summary
@@ -91,7 +91,7 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path: Path) -> None:
     assert api.stdout.split()[-2:] == ["50", "True"], api.stdout[-2000:]
 
     ok(run([pdecomp, "+experiment=llama_tiny_chunkwise", "gate.only=true",
-            "logging.wandb=false", "hydra.run.dir=llama"], work, env))
+            "logging.wandb.mode=disabled", "hydra.run.dir=llama"], work, env))
     assert (work / "llama" / "gate.json").is_file()
 
     # Hydra's plugin scan finds the SLURM launcher, and `cluster=slurm` composes with it.

@@ -20,7 +20,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import tensorstore as ts
-from conftest import PDECOMP, copy_of, load_json, ok, pdecomp
+from conftest import PDECOMP, check_sweep_wandb, copy_of, load_json, ok, pdecomp
 from jax.sharding import SingleDeviceSharding
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -30,7 +30,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "slurm_cluster.sh"
 # TMS 5-2 for a few hundred steps: long enough to interrupt, short enough for CI.
 STEPS = 600
 RUN = [f"optim.steps={STEPS}", "logging.log_every=20", "logging.ckpt_every=200",
-       "data.batch_size=256", "data.eval_batches=1", "logging.wandb=false"]
+       "data.batch_size=256", "data.eval_batches=1", "logging.wandb.mode=disabled"]
 TWO_TASKS = ["cluster=slurm", "hydra.launcher.tasks_per_node=2",
              "hydra.launcher.cpus_per_task=1"]
 TWO_NODES = ["cluster=slurm", "hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=1",
@@ -257,7 +257,7 @@ def test_a_checkpoint_unreadable_on_one_process_is_set_aside_by_every_process(
 
 def test_sweep_runs_as_a_job_array(cluster, reference: Path, tmp_path: Path) -> None:
     short = [o for o in RUN if not o.startswith("optim.steps=")] + ["optim.steps=100"]
-    proc, sweep, seconds = submit(["-m", "cluster=slurm", *short,
+    proc, sweep, seconds = submit(["-m", "cluster=slurm", *short, "logging.wandb.mode=offline",
                                    "loss.imp_min_coeff=0.001,0.003,0.01"], tmp_path, cluster)
     print(f"3-job sweep: {seconds:.1f} s")
     ok(proc)
@@ -272,6 +272,7 @@ def test_sweep_runs_as_a_job_array(cluster, reference: Path, tmp_path: Path) -> 
         assert value in proc.stdout
     rows = load_json(sweep / "sweep_summary.json")
     assert len(rows) == 3 and all("summary.json" in r for r in rows)
+    check_sweep_wandb([sweep / str(i) for i in range(3)], "loss.imp_min_coeff")
 
 
 def test_refused_gate_exits_3_on_every_rank(cluster, tmp_path: Path) -> None:

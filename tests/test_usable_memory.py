@@ -111,7 +111,7 @@ def test_cli_job_exports_what_its_deviceless_gate_caps_at(
     environ = {k: v for k, v in env.items() if k not in hardware.MEMORY_VARS}
     if user:
         environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = user
-    ok(pdecomp(["gate.only=true", "gate.target=h100", "logging.wandb=false",
+    ok(pdecomp(["gate.only=true", "gate.target=h100", "logging.wandb.mode=disabled",
                 f"hydra.run.dir={run_dir}"], tmp_path, environ))
     gate = load_json(run_dir / "gate.json")
     assert gate["cap_bytes"] == int(hardware.GPUS["h100"].memory_bytes * fraction)
@@ -126,7 +126,7 @@ def test_cli_job_exports_what_its_deviceless_gate_caps_at(
 
 
 def test_cli_bad_fraction_exits_2_with_one_line(tmp_path: Path, env: dict[str, str]) -> None:
-    proc = pdecomp(["gate.only=true", "gate.target=h100", "logging.wandb=false",
+    proc = pdecomp(["gate.only=true", "gate.target=h100", "logging.wandb.mode=disabled",
                     f"hydra.run.dir={tmp_path / 'run'}"], tmp_path,
                    {**env, "XLA_CLIENT_MEM_FRACTION": "most"})
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
