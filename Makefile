@@ -22,7 +22,7 @@ PYTEST = $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-re
 GPU_COMPILE := $(VENV)/gpu-compile
 GPU_STAMP := $(GPU_COMPILE)/.installed
 
-.PHONY: install install-gpu-compile run test test-fast test-jax010 test-marked bench lint clean
+.PHONY: install install-gpu install-gpu-compile run test test-fast test-jax010 test-marked bench lint clean
 
 # A venv of another Python (an older checkout's) is made anew rather than upgraded in place.
 $(STAMP): pyproject.toml $(CONSTRAINTS)
@@ -33,6 +33,13 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# A GPU node: the same venv with jax's CUDA plugin at jaxlib's version (CUDA 13 unless
+# CUDA=12: what the node's driver supports, `nvidia-smi` says).
+CUDA ?= 13
+install-gpu: $(STAMP)
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[test,cuda$(CUDA)]"
+	$(PY) -c "import jax; d = jax.devices(); print(d); assert d[0].platform == 'gpu', 'no GPU seen: is this a GPU node?'"
 
 $(GPU_STAMP): $(STAMP)
 	v=$$($(PY) -c "import jaxlib; print(jaxlib.__version__)") && \

@@ -214,6 +214,25 @@ def varied(overrides: list[str], sweep_dir: Path) -> list[str]:
     return mine or shown(overrides)
 
 
+def gpus_asked() -> int:
+    """The GPUs the job's launcher asked the scheduler for (`hydra.launcher.gpus_per_node`,
+    or per task); 0 for a launcher that asks for none."""
+    launcher = HydraConfig.get().launcher
+    return max(int(launcher.get("gpus_per_node") or 0), int(launcher.get("gpus_per_task") or 0))
+
+
+def check_gpus_seen(asked: int) -> None:
+    """A job given GPUs that jax does not see would train on the CPU: refused at its start,
+    with what to install."""
+    import jax
+
+    if asked and jax.default_backend() != "gpu":
+        raise ConfigError("hydra.launcher.gpus_per_node", asked, (
+            f"the job was given GPUs but jax sees only {jax.default_backend()} devices: "
+            "install jax's CUDA plugin into the venv the job runs (make install-gpu), or "
+            "ask for none"))
+
+
 def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
     """One job, start to end: its checks, wandb and progress around `decompose`, and each way
     it can end said in one line (an exit code, or a sweep's row)."""
@@ -226,6 +245,7 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
     from pdecomp.run import decompose, prepare  # jax only once the job's runtime is set up
 
     try:  # checks that need the job's devices, before anything is written
+        check_gpus_seen(gpus_asked())
         run = prepare(job.cfg, job.run_dir)
     except ConfigError as e:
         print(e, file=sys.stderr)

@@ -414,6 +414,20 @@ def test_deviceless_gate_for_64_b200s(tmp_path: Path, env: dict[str, str]) -> No
     assert not (run_dir / "checkpoints").exists()
 
 
+def test_a_job_given_gpus_jax_does_not_see_exits_2(tmp_path: Path, env: dict[str, str]) -> None:
+    """Installed without jax's CUDA plugin, a GPU job would train on the CPU: it stops at
+    its start instead, saying what to install (submitit's local executor stands in for
+    a GPU node's scheduler)."""
+    sweep = tmp_path / "sweep"
+    proc = pdecomp(["cluster=local", "hydra.launcher.gpus_per_node=1", "gate.only=true",
+                    f"hydra.sweep.dir={sweep}"], tmp_path, env)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    (row,) = load_json(sweep / "sweep_summary.json")
+    why = row["outcome"]
+    assert why["exit_code"] == 2 and "hydra.launcher.gpus_per_node=1" in why["reason"]
+    assert "make install-gpu" in why["reason"] and not (sweep / "0" / "gate.json").exists()
+
+
 @pytest.mark.parametrize(("args", "key", "plugin"), [
     (["gate.target=h100"], "gate.target='h100'", None),  # a GPU this job lacks: gate only
     (["mesh=fsdp8"], "mesh.gpus_per_host=8", None),  # 8 devices planned, 2 at hand

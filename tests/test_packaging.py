@@ -99,3 +99,20 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path: Path) -> None:
     assert "hydra_plugins.pdecomp_launcher.slurm_launcher" in found.stdout
     defaults = ok(run([pdecomp, "--info", "defaults", "cluster=slurm"], work, env))
     assert "hydra/launcher/pdecomp_slurm" in defaults.stdout
+
+
+@pytest.mark.parametrize("cuda", ["12", "13"])
+def test_the_gpu_extras_take_the_cuda_plugin_at_jaxlibs_version(cuda: str) -> None:
+    """`pip install pdecomp[cudaN]` (make install-gpu) asks for jax's own extra, which pins
+    its CUDA plugin to jax's version; the constraints pin jax to jaxlib's."""
+    import tomllib
+    from importlib.metadata import requires, version
+
+    root = Path(__file__).resolve().parents[1]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert extras[f"cuda{cuda}"] == [f"jax[cuda{cuda}]"]
+    pins = [r for r in requires("jax") or [] if f'extra == "cuda{cuda}"' in r]
+    assert any(r.startswith(f"jax-cuda{cuda}-plugin") and f"<={version('jax')}" in r
+               for r in pins), pins
+    assert version("jax") == version("jaxlib")
