@@ -28,7 +28,7 @@ from hydra.core.override_parser.types import Override
 from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, open_dict
 
-from launcher import callbacks, cluster
+from launcher import callbacks, cluster, resume
 from launcher.registry import register, to_run_config
 from pdecomp import hardware
 from pdecomp.config import ConfigError, RunConfig
@@ -263,6 +263,8 @@ def _main() -> None:
     if sys.argv[1:2] in (["--version"], ["-V"]):  # pdecomp's, not Hydra's
         print(version_line())
         return
+    if sys.argv[1:2] == ["resume"]:  # the run's own command line, in its directory
+        sys.argv[1:] = resume.command_line(sys.argv[2:])
     if sys.argv[1:2] == ["analyze"]:
         from launcher.job import log_report
         from pdecomp.analyze import main as analyze

@@ -380,6 +380,18 @@ def test_cfg_job_prints_with_every_cluster(cluster: str, env: dict[str, str],
     assert not list(tmp_path.iterdir())  # printing makes no directory
 
 
+@pytest.mark.parametrize(("args", "line"), [
+    ([], "usage: pdecomp resume <run dir> [overrides ...]"),
+    (["{tmp}/nowhere"], "{tmp}/nowhere: not a run directory pdecomp made (does not exist)"),
+    (["{tmp}"], "{tmp}: not a run directory pdecomp made (has no .hydra/overrides.yaml)"),
+])
+def test_resume_of_no_run_exits_2_with_one_line(args: list[str], line: str,
+                                                env: dict[str, str], tmp_path: Path) -> None:
+    proc = pdecomp(["resume", *(a.format(tmp=tmp_path) for a in args)], tmp_path, env)
+    assert proc.returncode == 2 and proc.stderr.strip() == line.format(tmp=tmp_path), proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
 def test_version_is_pdecomps(env: dict[str, str], tmp_path: Path) -> None:
     line = ok(pdecomp(["--version"], tmp_path, env, timeout=120)).stdout.strip()
     assert re.fullmatch(r"pdecomp \S+ \(commit [0-9a-f]{40}(-dirty)?; jax \S+, Python \S+\)",

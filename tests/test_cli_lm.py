@@ -3,6 +3,7 @@ Hugging Face directory, and the 8B preset's deviceless gate for 64 B200s."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -55,19 +56,33 @@ def test_llama_tiny_chunkwise_pgd_kl_and_l0_fall(tmp_path: Path, env: dict[str, 
 
 @pytest.mark.slow
 def test_run_from_a_hugging_face_directory(tmp_path: Path, env: dict[str, str]) -> None:
-    """model.path: the architecture comes from config.json, the weights from safetensors."""
-    run_dir = tmp_path / "run"
+    """model.path: the architecture comes from config.json, the weights from safetensors.
+    Given relative to where the run started, it is recorded resolved (run.json): the run is
+    analysed and resumed from another directory."""
+    started, elsewhere = tmp_path / "started", tmp_path / "elsewhere"
+    shutil.copytree(FIXTURES / "gqa_llama3", started / "models" / "gqa")
+    elsewhere.mkdir()
+    run_dir = started / "run"
     sites = "[layers.1.mlp.gate_proj,layers.1.mlp.up_proj,layers.1.mlp.down_proj]"
-    model = f"model.path={FIXTURES / 'gqa_llama3'}"
-    proc = ok(pdecomp(["+experiment=llama_tiny_chunkwise", model, f"layers.sites={sites}",
+    proc = ok(pdecomp(["+experiment=llama_tiny_chunkwise", "model.path=models/gqa",
+                       f"layers.sites={sites}",
                        "optim.steps=20", "optim.faith_warmup_steps=10", "data.seq_len=16",
                        "logging.log_every=10", "memory.remat=full", "loss.eval_pgd.n_steps=0",
-                       *QUIET, f"hydra.run.dir={run_dir}"], tmp_path, env, timeout=900))
+                       *QUIET, "hydra.run.dir=run"], started, env, timeout=900))
+    assert load_json(run_dir / "run.json")["config"]["model"]["path"] == str(
+        started / "models" / "gqa")
+    ok(pdecomp(["analyze", str(run_dir), "--windows", "4"], elsewhere, env, timeout=600))
+    resumed = ok(pdecomp(["resume", str(run_dir), "optim.steps=30",
+                          "optim.allow_schedule_change=true"], elsewhere, env, timeout=900))
+    assert "resumed from checkpoint at step 20" in resumed.stderr
+    assert load_json(run_dir / "summary.json")["steps"] == 30 and not list(elsewhere.iterdir())
     # The preset was made for another model: the console says which layers of this one.
     layers = load_json(FIXTURES / "gqa_llama3" / "config.json")["num_hidden_layers"]
     assert f"decomposing 3 sites in layer 1 of its {layers}, C = 64 per site" in proc.stderr
+    s = load_json(run_dir / "history.json")[-1]
+    assert s["step"] == 30 and "loss/total" in s
     s = load_json(run_dir / "summary.json")
-    assert s["target/seed"] is None and s["steps"] == 20
+    assert s["target/seed"] is None
     assert {k for k in s if k.startswith("live/")} == {f"live/layers.1.mlp.{w}" for w in
                                                           ("gate_proj", "up_proj", "down_proj")}
 

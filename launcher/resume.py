@@ -1,0 +1,59 @@
+"""`pdecomp resume <run dir> [overrides]`: the command that made a run, run again in its
+directory from wherever you are: its own overrides (Hydra's record in `.hydra/`), its paths
+as they were resolved when it started (run.json), then yours. It resumes from the run's
+last checkpoint as running that command again would."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+from pdecomp.exits import EXIT_BAD_CONFIG
+
+USAGE = "usage: pdecomp resume <run dir> [overrides ...]"
+PATH_KEYS = ("model.path", "data.path")
+
+
+def command_line(args: list[str]) -> list[str]:
+    """The overrides that resume the run in `args[0]`, with `args[1:]` after its own; a run
+    directory that pdecomp did not make ends the process with one line, exit 2."""
+    if not args or args[0].startswith("-"):
+        _refuse(USAGE)
+    run_dir = Path(args[0]).expanduser().absolute()
+    recorded = run_dir / ".hydra" / "overrides.yaml"
+    if not recorded.is_file():
+        why = "does not exist" if not run_dir.is_dir() else "has no .hydra/overrides.yaml"
+        _refuse(f"{run_dir}: not a run directory pdecomp made ({why})")
+    own = [str(o) for o in yaml.safe_load(recorded.read_text()) or []]
+    kept = [o for o in own if _key(o) not in PATH_KEYS and not _key(o).startswith("hydra.")]
+    return [*kept, *_resolved_paths(run_dir), *args[1:], *_where(run_dir, kept)]
+
+
+def _key(override: str) -> str:
+    return override.partition("=")[0].lstrip("+~")
+
+
+def _resolved_paths(run_dir: Path) -> list[str]:
+    """model.path and data.path as the run resolved them (absolute), where it has them."""
+    record = run_dir / "run.json"
+    if not record.is_file():
+        return []
+    config = json.loads(record.read_text())["config"]
+    return [f"{key}={value}" for key in PATH_KEYS
+            if (value := config.get(key.split(".")[0], {}).get("path"))]
+
+
+def _where(run_dir: Path, overrides: list[str]) -> list[str]:
+    """The run's own directory: a run, or a one-job sweep where it was submitted."""
+    submitted = any(_key(o) == "cluster" and not o.endswith("=basic") for o in overrides)
+    if submitted:
+        return [f"hydra.sweep.dir={run_dir.parent}", f"hydra.sweep.subdir={run_dir.name}"]
+    return [f"hydra.run.dir={run_dir}"]
+
+
+def _refuse(line: str) -> None:
+    print(line, file=sys.stderr)
+    sys.exit(EXIT_BAD_CONFIG)
