@@ -130,8 +130,9 @@ class Composed:
     sweep_dir: Path
 
 
-def compose_run(overrides: list[str]) -> Composed:
-    """One run (overrides without sweeps; inside `conf_dir`)."""
+def compose_run(overrides: list[str], validated: bool = True) -> Composed:
+    """One run (overrides without sweeps; inside `conf_dir`); its cross-field checks unless
+    `validated` is False (a config printed, not run)."""
     composed = compose(config_name="config", overrides=overrides, return_hydra_config=True)
     hc = composed.hydra
     launcher = str(hc.launcher.get("_target_", ""))
@@ -140,7 +141,8 @@ def compose_run(overrides: list[str]) -> Composed:
         del composed["hydra"]
     # a planned mesh's microbatches now; a local mesh's in the job, which knows its devices
     cfg = with_microbatch_size(to_run_config(composed), None)
-    validate(cfg)
+    if validated:
+        validate(cfg)
     return Composed(cfg, launcher, *dirs)
 
 
@@ -149,9 +151,10 @@ def error_line(e: Exception) -> str:
     return str(e) if isinstance(e, ConfigError) else _one_line(e)
 
 
-def check_overrides(overrides: list[str]) -> Composed:
+def check_overrides(overrides: list[str], validated: bool = True) -> Composed:
     """Compose and validate every combination of sweep values (the first MAX_CHECKED_COMBOS);
-    the first combination's run."""
+    the first combination's run. Not `validated`: composed and typed only (a config that is
+    printed may leave a required value, such as a preset's data.path, for later)."""
     choices: list[list[str]] = []
     for o in parse_overrides(overrides):
         key = o.get_key_element()
@@ -166,7 +169,8 @@ def check_overrides(overrides: list[str]) -> Composed:
     with conf_dir():
         for combo in itertools.islice(itertools.product(*choices), MAX_CHECKED_COMBOS):
             # Hydra's own settings too, for the directories they name (never swept here)
-            run = compose_run([*combo, *hydra_lines] if first is None else list(combo))
+            run = compose_run([*combo, *hydra_lines] if first is None else list(combo),
+                              validated)
             first = first or run
     assert first is not None
     return first
@@ -277,13 +281,13 @@ def _main() -> None:
     overrides = _overrides(sys.argv[1:])
     record, made = None, []
     if overrides is not None:
+        # Hydra allows one of these modes; printing the config or Hydra's info runs no job.
+        prints = {"--cfg", "-c", "--info", "-i", "--shell-completion", "-sc"} & set(sys.argv)
         try:
-            run = check_overrides(overrides)
+            run = check_overrides(overrides, validated=not prints)
         except Exception as e:  # noqa: BLE001 - ours, Hydra's and OmegaConf's compose-time errors
             print(error_line(e), file=sys.stderr)
             sys.exit(EXIT_BAD_CONFIG)
-        # Hydra allows one of these modes; printing the config or Hydra's info runs no job.
-        prints = {"--cfg", "-c", "--info", "-i", "--shell-completion", "-sc"} & set(sys.argv)
         if not (run.launcher.endswith("BasicLauncher") or prints
                 or {"-m", "--multirun"} & set(sys.argv)):
             # Hydra uses its launcher in multirun mode only: a run submitted to a cluster is
