@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes  # noqa: F401 - numpy's bfloat16, for safetensors' BF16 tensors
 import numpy as np
 from jaxtyping import Array
 
@@ -128,12 +129,19 @@ class _Tensors:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.handles[self.where[name]].get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        return str(self.handles[self.where[name]].get_slice(name).get_dtype())
+
     def read(self, name: str, index: tuple[slice, ...], transpose: bool) -> np.ndarray:
         """Only the block `index` of tensor `name` (of its transpose): a host reads the parts
         its own devices hold, never the whole tensor for a shard of it."""
         part = self.handles[self.where[name]].get_slice(name)
         return part[index[::-1]].T if transpose else part[index]
 
+
+# The stored dtypes read, each into the dtype the run asks for: float32, and the half
+# precisions the Hub's checkpoints come in (numpy reads BF16 through ml_dtypes' bfloat16).
+FLOAT_DTYPES = ("F32", "BF16", "F16")
 
 # What this model computes, and the config.json fields that would make a checkpoint compute
 # something else unless they sit at their neutral value. A checkpoint of another family, or
@@ -221,6 +229,10 @@ def _open_checked(path: Path) -> tuple[LlamaConfig, _Tensors]:
         if tensors.shape(name) != shape:
             raise CheckpointError(f"{path}: tensor {name} has shape {tensors.shape(name)}; "
                                   f"config.json implies {shape}")
+        if (stored := tensors.dtype(name)) not in FLOAT_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name} is stored as {stored}; this loader "
+                                  f"reads {', '.join(FLOAT_DTYPES)} (a quantized checkpoint: "
+                                  "dequantize it first, as pdecomp convert does a GGUF)")
     ignored = IGNORED_TENSORS + ((r"^lm_head\.weight$",) if cfg.tie_word_embeddings else ())
     extra = sorted(n for n in tensors.where
                    if n not in expected and not any(re.search(p, n) for p in ignored))

@@ -272,3 +272,41 @@ def test_a_refused_checkpoint_on_the_command_line_exits_2_with_one_line(tmp_path
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert "model.path" in lines[0] and 'hidden_act="gelu"' in lines[0], lines[0]
     assert list(cwd.iterdir()) == []
+
+
+def _stored_as(src: Path, dest: Path, dtype) -> Path:
+    """`src`'s checkpoint (sharded or not) with every tensor stored in `dtype`."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("*.safetensors"))
+    for f in sorted(src.glob("*.safetensors")):
+        with safe_open(str(f), framework="np") as h:
+            tensors = {k: h.get_tensor(k).astype(dtype) for k in h.keys()}  # noqa: SIM118
+        save_file(tensors, str(dest / f.name))
+    return dest
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [("bfloat16", 3e-2), ("float16", 2e-3)])
+def test_half_precision_sharded_checkpoints_load_exactly(tmp_path: Path, dtype: str,
+                                                         tolerance: float) -> None:
+    """The Hub's checkpoints come in bfloat16 or float16: read as stored (each value that
+    very number in float32), to transformers' float32 logits within the rounding."""
+    import ml_dtypes
+
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
+    src = FIXTURES / "tied_sharded"
+    half = load_hf(_stored_as(src, tmp_path / dtype, np_dtype))
+    rounded = jax.tree.map(lambda w: w.astype(np_dtype).astype(np.float32), load_hf(src))
+    for got, want in zip(jax.tree.leaves(half), jax.tree.leaves(rounded), strict=True):
+        assert got.dtype == jnp.float32 and np.array_equal(np.asarray(got), np.asarray(want))
+    tokens = np.load(src / "tokens.npy")
+    logits = np.asarray(jax.jit(lambda m, t: m(t))(half, tokens))
+    assert 0 < _rel_err(logits, np.load(src / "logits.npy")) <= tolerance
+
+
+def test_a_quantized_tensor_is_refused_with_its_dtype(tmp_path: Path) -> None:
+    path = _stored_as(FIXTURES / "gqa_llama3", tmp_path / "int8", np.int8)
+    with pytest.raises(CheckpointError, match=r"int8: tensor model.embed_tokens.weight is "
+                                              r"stored as I8; this loader reads F32, BF16, F16"):
+        check_hf(path)
