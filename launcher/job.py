@@ -363,7 +363,7 @@ def interrupted(job: Job, wb: WandbLogger | None, e: Exception) -> None:
         max_requeues = HydraConfig.get().launcher.get("max_num_timeout", 0)
         _stop_for_scheduler(job.ranks, signals, e, max_requeues)
     console.print(f"{', '.join(dict.fromkeys(signals.received))}: {e}; resume with "
-                  f"`pdecomp hydra.run.dir={job.run_dir}` and the same overrides; exit {code}",
+                  f"`pdecomp resume {job.run_dir}`; exit {code}",
                   markup=False, highlight=False)
     sys.exit(code)
 

@@ -84,14 +84,13 @@ class Compiler:
     def batch_sharding(self) -> NamedSharding:
         return NamedSharding(self.layout.mesh, P(sharding.AXIS))
 
-    def parts(self, run: Run) -> dict[str, int]:
-        batch = run.kind.batch_abstract(run.model, run.data, run.batch.size,
-                                        self.batch_sharding)
-        return argument_parts(run, self.target_abs, self.state_abs, batch)
+    def batch(self, run: Run) -> jax.ShapeDtypeStruct:
+        return run.kind.batch_abstract(run.model, run.data, run.batch.size,
+                                       self.batch_sharding)
 
     def floor(self, run: Run) -> dict[str, Any]:
         """The report from argument bytes alone (a batch too large to compile)."""
-        parts = self.parts(run)
+        parts = argument_parts(run, self.target_abs, self.state_abs, self.batch(run))
         # moments offloaded to the host are not device bytes on a GPU: left out of the bound
         device_bytes = sum(v for k, v in parts.items() if k != OPT_PART_HOST)
         report = gate_lib.uncompiled_report(argument_bytes=device_bytes, parts=parts,
@@ -99,14 +98,13 @@ class Compiler:
         return {**report, "batch_size": run.batch.size, **self.extra}
 
     def compile(self, run: Run) -> tuple[Any, dict[str, Any]]:
-        batch = run.kind.batch_abstract(run.model, run.data, run.batch.size,
-                                        self.batch_sharding)
+        batch = self.batch(run)
         compiled, report = gate_lib.compile_and_report(
             make_train_step(run.step, self.layout), (self.state_abs, self.target_abs, batch),
             donate_argnums=(0,) if run.memory.donate else (),
             out_shardings=(sharding.shardings(self.state_abs),
                            NamedSharding(self.layout.mesh, P())),
-            parts=self.parts(run), top_temps=run.gate.top_temps, detach=self.detach,
+            parts=argument_parts(run, self.target_abs, self.state_abs, batch), top_temps=run.gate.top_temps, detach=self.detach,
             **self.where)
         report.update(batch_size=run.batch.size, **self.extra)
         if run.memory.offload_opt_state and run.placement.deviceless:

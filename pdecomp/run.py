@@ -19,7 +19,7 @@ from pdecomp.config import RunConfig
 from pdecomp.evaluation import Learned, draw, evaluate
 from pdecomp.gating import GateRefused, calibrate, gate, note_peak
 from pdecomp.hooks import Hooks
-from pdecomp.resolve import Run, resolve, with_microbatch_size
+from pdecomp.resolve import Run, provenance, resolve, with_microbatch_size
 from pdecomp.resume import check_resumable
 from pdecomp.rundir import RUN_FILE, write_config, write_json
 from pdecomp.shapes import load_target
@@ -37,8 +37,9 @@ def prepare(cfg: RunConfig, run_dir: str | Path | None = None) -> Run:
     hardware.usable_memory(cfg.memory.safety_fraction)
     deviceless = sharding.is_deviceless(cfg.gate)
     n_devices = None if deviceless else len(jax.devices())
-    validate(with_microbatch_size(cfg, n_devices), n_devices)  # the paths as typed
-    run = resolve(cfg, n_devices)
+    settled = with_microbatch_size(cfg, n_devices)
+    validate(settled, n_devices)  # before the paths are made absolute: named as typed
+    run = resolve(settled, n_devices, composed=cfg)
     sharding.check_target(run.gate)
     if not deviceless:
         sharding.make_mesh(run.placement)  # its checks: every process of the job has devices
@@ -89,7 +90,7 @@ def decompose(run: Run | RunConfig, run_dir: str | Path, hooks: Hooks | None = N
     summary.update(draw(g.run, evaluated, history, run_dir))
     last = history[-1] if history else {}
     summary.update({k: v for k, v in last.items() if k.startswith(("loss/", "perf/"))})
-    made_by = g.run.record()["provenance"]
+    made_by = provenance()
     summary.update({"steps": steps, "target/seed": target_meta.get("seed"),
                     "pdecomp/version": made_by["pdecomp"], "pdecomp/commit": made_by["commit"]})
     if calibrate(g.report, g.mesh):  # the whole run's peak, evaluation included

@@ -179,8 +179,10 @@ def test_a_stop_signal_checkpoints_and_the_run_resumes(
     step = int(last.split("stopped at step ")[1].split(";")[0])
     assert 0 < step < 20000
     assert (run_dir / "checkpoints" / str(step)).is_dir()
-    # resumed (with fewer steps, allowed explicitly) from that very step, to the end
-    resumed = ok(pdecomp([*args[1:], f"optim.steps={step + 10}",
+    # resumed by the command the line names (with fewer steps, allowed explicitly) from that
+    # very step, to the end
+    assert f"resume with `pdecomp resume {run_dir}`" in last, last
+    resumed = ok(pdecomp(["resume", str(run_dir), f"optim.steps={step + 10}",
                           "optim.allow_schedule_change=true"], tmp_path, env))
     assert f"resumed from checkpoint at step {step}" in resumed.stderr + resumed.stdout
     assert load_json(run_dir / "summary.json")["steps"] == step + 10
