@@ -26,7 +26,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import OverrideParseException
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from launcher import callbacks, cluster, resume
 from launcher.registry import register, to_run_config
@@ -124,7 +124,7 @@ class Composed:
     and the directories Hydra will make for it (relative to the working directory; their
     `${now:}` part may come out a second later in the job)."""
 
-    cfg: RunConfig
+    cfg: RunConfig | None  # None: a config printed with values left to give (`???`)
     launcher: str
     run_dir: Path
     sweep_dir: Path
@@ -139,6 +139,12 @@ def compose_run(overrides: list[str], validated: bool = True) -> Composed:
     dirs = Path(str(hc.run.dir)), Path(str(hc.sweep.dir))
     with open_dict(composed):  # Hydra's node holds job-time interpolations
         del composed["hydra"]
+    if missing := sorted(OmegaConf.missing_keys(composed)):  # `???`: the user's to give
+        if not validated:  # printed as they are
+            return Composed(None, launcher, *dirs)
+        raise ConfigError(missing[0], "???", f"a value the config leaves for you to give: "
+                          f"add {missing[0]}=... to the command line"
+                          + (f" (and {', '.join(missing[1:])})" if missing[1:] else ""))
     # a planned mesh's microbatches now; a local mesh's in the job, which knows its devices
     cfg = with_microbatch_size(to_run_config(composed), None)
     if validated:
@@ -151,7 +157,40 @@ def error_line(e: Exception) -> str:
     return str(e) if isinstance(e, ConfigError) else _one_line(e)
 
 
-def check_overrides(overrides: list[str], validated: bool = True) -> Composed:
+def _is_searchpath(override: str) -> bool:
+    return override.split("=", 1)[0].lstrip("+~") == "hydra.searchpath"
+
+
+def search_path(overrides: list[str], config_dirs: list[str]) -> list[str]:
+    """The override that gives Hydra's compose API the user's config directories
+    (`--config-dir DIR`, `hydra.searchpath=[...]`), where the user has any: their presets
+    and config group options are then checked as the run will see them. A directory that
+    is not there is refused (Hydra would only warn, then not find what was meant)."""
+    given = [("--config-dir", d) for d in config_dirs]
+    for o in parse_overrides([o for o in overrides if _is_searchpath(o)]):
+        value = o.value()
+        given += [("hydra.searchpath", str(v))
+                  for v in (value if isinstance(value, list) else [value])]
+    paths = []
+    for key, path in given:
+        local = Path(path.removeprefix("file://")).expanduser().absolute()
+        if "://" in path and not path.startswith("file://"):
+            paths.append(path)  # pkg://: a package's configs
+        elif local.is_dir():
+            paths.append(f"file://{local}")
+        else:
+            raise ConfigError(key, path, "no such directory: give a directory of config groups")
+    return [f"hydra.searchpath=[{','.join(paths)}]"] if paths else []
+
+
+def config_dirs(argv: list[str]) -> list[str]:
+    """The values of `--config-dir DIR` / `-cd DIR` / `--config-dir=DIR` in argv."""
+    dirs = [b for a, b in itertools.pairwise(argv) if a in ("--config-dir", "-cd")]
+    return dirs + [a.split("=", 1)[1] for a in argv if a.startswith("--config-dir=")]
+
+
+def check_overrides(overrides: list[str], validated: bool = True,
+                    config_dirs: list[str] = ()) -> Composed:
     """Compose and validate every combination of sweep values (the first MAX_CHECKED_COMBOS);
     the first combination's run. Not `validated`: composed and typed only (a config that is
     printed may leave a required value, such as a preset's data.path, for later)."""
@@ -164,12 +203,14 @@ def check_overrides(overrides: list[str], validated: bool = True) -> Composed:
             choices.append([f"{key}={v}" for v in o.sweep_string_iterator()])
         else:
             choices.append([o.input_line])
-    hydra_lines = [o for o in overrides if o.split("=", 1)[0].lstrip("+~").startswith("hydra")]
+    hydra_lines = [o for o in overrides if o.split("=", 1)[0].lstrip("+~").startswith("hydra")
+                   and not _is_searchpath(o)]
+    search = search_path(overrides, config_dirs)
     first = None
     with conf_dir():
         for combo in itertools.islice(itertools.product(*choices), MAX_CHECKED_COMBOS):
             # Hydra's own settings too, for the directories they name (never swept here)
-            run = compose_run([*combo, *hydra_lines] if first is None else list(combo),
+            run = compose_run([*combo, *search, *(hydra_lines if first is None else [])],
                               validated)
             first = first or run
     assert first is not None
@@ -260,7 +301,7 @@ def main() -> None:
 
 # Subcommands of their own, not Hydra jobs: `pdecomp <name> ...` -> the library's `main`.
 SUBCOMMANDS = {"analyze": "pdecomp.analyze", "convert": "pdecomp.from_gguf",
-               "tokenize": "pdecomp.text"}
+               "tokenize": "pdecomp.text", "status": "launcher.status"}
 
 
 def _main() -> None:
@@ -278,16 +319,19 @@ def _main() -> None:
         sys.exit(importlib.import_module(SUBCOMMANDS[sys.argv[1]]).main(sys.argv[2:]))
     cluster.split_cpu_devices()
     hardware.no_gpu_autotuning_without_gpus()
+    wait = _pop_flag("--wait")
     overrides = _overrides(sys.argv[1:])
     record, made = None, []
     if overrides is not None:
         # Hydra allows one of these modes; printing the config or Hydra's info runs no job.
         prints = {"--cfg", "-c", "--info", "-i", "--shell-completion", "-sc"} & set(sys.argv)
         try:
-            run = check_overrides(overrides, validated=not prints)
+            run = check_overrides(overrides, not prints, config_dirs(sys.argv[1:]))
         except Exception as e:  # noqa: BLE001 - ours, Hydra's and OmegaConf's compose-time errors
             print(error_line(e), file=sys.stderr)
             sys.exit(EXIT_BAD_CONFIG)
+        if wait and run.launcher.endswith("slurm_launcher.SlurmLauncher"):
+            sys.argv.append("hydra.launcher.wait=true")  # hold the terminal to the end
         if not (run.launcher.endswith("BasicLauncher") or prints
                 or {"-m", "--multirun"} & set(sys.argv)):
             # Hydra uses its launcher in multirun mode only: a run submitted to a cluster is
@@ -320,6 +364,13 @@ def _main() -> None:
         dump = sys.modules["pdecomp.xla_dump"]
         dump.end_process(0 if code is None else code if isinstance(code, int) else 1)
     sys.exit(code)
+
+
+def _pop_flag(flag: str) -> bool:
+    """Whether `flag` (pdecomp's, not Hydra's) was given; it is taken out of sys.argv."""
+    given = flag in sys.argv
+    sys.argv = [a for a in sys.argv if a != flag]
+    return given
 
 
 def _compile_in_flight() -> bool:

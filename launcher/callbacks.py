@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 from rich.table import Table
 
-from launcher import outcome
+from launcher import outcome, slurm_jobs
 from launcher.console import make_console
 from pdecomp.plots import plot_gate_sweep
 from pdecomp.units import GiB
@@ -32,14 +33,32 @@ GATE_FIELDS = ("fits", "compile_s", "target", "n_devices", "batch_size")
 sweep_result = {"exit_code": 0}
 
 
-def collect(sweep_dir: Path) -> list[dict[str, Any]]:
-    """One row per run of the sweep: its overrides and its summary (or gate report)."""
+def job_dirs(sweep_dir: Path) -> dict[int, Path]:
+    """Each job's directory by job number, wherever `hydra.sweep.subdir` put it (the job
+    number by default; `${hydra.job.override_dirname}` and the like too): a directory
+    holding Hydra's `.hydra/hydra.yaml`, whose `hydra.job.num` numbers it."""
+    found: dict[int, Path] = {}
+    for root, dirs, _ in os.walk(sweep_dir):
+        if ".hydra" in dirs and Path(root) != sweep_dir:
+            hydra_yaml = Path(root) / ".hydra" / "hydra.yaml"
+            num = (yaml.safe_load(hydra_yaml.read_text()) or {}).get("hydra", {}).get(
+                "job", {}).get("num") if hydra_yaml.is_file() else None
+            if isinstance(num, int):
+                found[num] = Path(root)
+            dirs.clear()  # a job's own directory holds no other job
+        else:
+            dirs[:] = [d for d in dirs if not d.startswith(".")]  # .submitit, .code
+    return dict(sorted(found.items()))
+
+
+def collect(sweep_dir: Path, extra: dict[int, Path] | None = None) -> list[dict[str, Any]]:
+    """One row per job of the sweep: its overrides and its summary (or gate report), from
+    its directory; `extra` adds the directories of jobs that may not have made theirs."""
     rows = []
-    for job_dir in sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()),
-                          key=lambda p: int(p.name)):
+    for num, job_dir in sorted({**(extra or {}), **job_dirs(sweep_dir)}.items()):
         overrides_file = job_dir / ".hydra" / "overrides.yaml"
         overrides = yaml.safe_load(overrides_file.read_text()) if overrides_file.exists() else []
-        row: dict[str, Any] = {"job": int(job_dir.name), "overrides": overrides}
+        row: dict[str, Any] = {"job": num, "overrides": overrides, "dir": str(job_dir)}
         for name in ("summary.json", "gate.json"):
             f = job_dir / name
             if f.exists():
@@ -89,6 +108,8 @@ def job_table(row: dict[str, Any]) -> Table:
     gate, summary = row.get("gate.json", {}), row.get("summary.json", {})
     table = Table(title=f"job {row['job']}", show_header=False)
     table.add_row("overrides", " ".join(row["overrides"]))
+    if state := row.get("state"):
+        table.add_row("state", state)
     if ended := row.get("outcome"):
         table.add_row("exit", str(ended["exit_code"]))
         table.add_row("why", ended["reason"])
@@ -106,8 +127,10 @@ def sweep_table(rows: list[dict[str, Any]]) -> Table:
         return job_table(rows[0])
     swept, keys = swept_keys(rows), result_keys(rows)
     failures = any("outcome" in r for r in rows)
+    unsettled = any("state" in r for r in rows)
     table = Table(title="sweep summary")
-    for col in ("job", *swept, *(("exit", "why") if failures else ()), "peak GiB", "temp GiB",
+    for col in ("job", *swept, *(("state",) if unsettled else ()),
+                *(("exit", "why") if failures else ()), "peak GiB", "temp GiB",
                 "arg GiB", "fits", *keys):
         table.add_column(col)
     for r in rows:
@@ -118,7 +141,8 @@ def sweep_table(rows: list[dict[str, Any]]) -> Table:
                  for k in ("peak", "temp", "argument")]
         ended = r.get("outcome", {"exit_code": 0, "reason": ""})
         status = [str(ended["exit_code"]), ended["reason"]] if failures else []
-        cells = [str(r["job"]), *(values.get(k, "") for k in swept), *status, *sizes,
+        state = [r.get("state", "ended")] if unsettled else []
+        cells = [str(r["job"]), *(values.get(k, "") for k in swept), *state, *status, *sizes,
                  ("yes" if gate.get("fits") else "NO") if gate else "-"]
         for k in keys:
             v = summary.get(k)
@@ -150,28 +174,36 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
+def report(sweep_dir: Path, rows: list[dict[str, Any]]) -> int:
+    """The sweep's summary: its table printed; JSON, CSV and memory plot written beside its
+    jobs; the sweep's exit code (outcome.worst of the jobs that ended) returned."""
+    code = outcome.worst([r.get("outcome", {"exit_code": 0})["exit_code"] for r in rows])
+    (sweep_dir / "sweep_summary.json").write_text(json.dumps(rows, indent=1))
+    console = make_console()
+    console.print(sweep_table(rows))
+    lines = [f"sweep csv: {write_csv(rows, sweep_dir / 'sweep_summary.csv')}"]
+    gated = [r for r in rows if "gate.json" in r]
+    if gated:
+        swept = swept_keys(rows)
+        png = plot_gate_sweep([job_label(r, swept) for r in gated],
+                              [r["gate.json"] for r in gated], sweep_dir / "sweep_memory.png")
+        lines.append(f"memory plot: {png}")
+    failed = [r for r in rows if "outcome" in r]
+    if failed:
+        lines.append(f"{len(failed)} of {len(rows)} jobs failed; exit {code}")
+    for line in lines:  # plain text on one line each, however long the path
+        console.print(line, soft_wrap=True, markup=False, highlight=False)
+    return code
+
+
 class SweepSummary(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         if not sweep_dir.exists():
             return
-        rows = collect(sweep_dir)
-        sweep_result["exit_code"] = outcome.worst(
-            [r.get("outcome", {"exit_code": 0})["exit_code"] for r in rows])
-        (sweep_dir / "sweep_summary.json").write_text(json.dumps(rows, indent=1))
-        console = make_console()
-        console.print(sweep_table(rows))
-        lines = [f"sweep csv: {write_csv(rows, sweep_dir / 'sweep_summary.csv')}"]
-        gated = [r for r in rows if "gate.json" in r]
-        if gated:
-            swept = swept_keys(rows)
-            png = plot_gate_sweep([job_label(r, swept) for r in gated],
-                                  [r["gate.json"] for r in gated],
-                                  sweep_dir / "sweep_memory.png")
-            lines.append(f"memory plot: {png}")
-        failed = [r for r in rows if "outcome" in r]
-        if failed:
-            lines.append(f"{len(failed)} of {len(rows)} jobs failed; exit "
-                         f"{sweep_result['exit_code']}")
-        for line in lines:  # plain text on one line each, however long the path
-            console.print(line, soft_wrap=True, markup=False, highlight=False)
+        submitted = slurm_jobs.load(sweep_dir)
+        if submitted and not submitted["waited"]:  # the jobs run on: say how to follow them
+            slurm_jobs.say_submitted(sweep_dir, submitted, make_console())
+            return
+        extra = slurm_jobs.dirs(submitted) if submitted else None
+        sweep_result["exit_code"] = report(sweep_dir, collect(sweep_dir, extra))

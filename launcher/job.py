@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from launcher import cluster, host, outcome
+from launcher import cluster, host, outcome, snapshot
 from launcher.console import make_console
 from launcher.registry import to_run_config
 from pdecomp.config import ConfigError, RunConfig
@@ -187,7 +187,8 @@ def start_job(dict_cfg: DictConfig) -> Job:
         job.signals.install()  # from the start: SLURM's signals would otherwise end the task
         cluster.init_distributed(job.ranks, job.cfg.mesh.init_timeout_s)
         cluster.say(job.ranks, f"job {os.environ['SLURM_JOB_ID']} on {os.uname().nodename}, "
-                               f"node {job.ranks.node}/{job.ranks.num_nodes}")
+                               f"node {job.ranks.node}/{job.ranks.num_nodes}, "
+                               f"code {snapshot.code_root()}")
     return job
 
 

@@ -177,20 +177,29 @@ def step_spec(cfg: RunConfig, kind: Kind, sites: Mapping[str, int],
                     kind.positions(cfg.data, cfg.data.batch_size), cfg.optim)
 
 
-@functools.cache
-def provenance() -> dict[str, str | None]:
-    """What made the run: pdecomp's version, the commit of its checkout (None outside one),
-    Python's and jax's versions."""
-    root = Path(__file__).resolve().parents[1]
+def _commit(root: Path) -> str | None:
+    """The commit the code under `root` is from, `-dirty` if changed since; a copy taken for
+    a queued SLURM job (launcher.snapshot) says it in its COMMIT file (its own git, if any,
+    would be the sweep directory's)."""
+    recorded = root / "COMMIT"
+    if recorded.is_file():
+        return recorded.read_text().strip() or None
     try:
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], check=True,
                                 capture_output=True, text=True, timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--",
                                 "pdecomp", "launcher"], check=True, capture_output=True,
                                text=True, timeout=10).stdout.strip()
-        commit += "-dirty" if dirty else ""
     except (OSError, subprocess.SubprocessError):
-        commit = None
+        return None
+    return commit + ("-dirty" if dirty else "")
+
+
+@functools.cache
+def provenance() -> dict[str, str | None]:
+    """What made the run: pdecomp's version, the commit of its checkout (None outside one),
+    Python's and jax's versions."""
+    commit = _commit(Path(__file__).resolve().parents[1])
     try:
         version = metadata.version("pdecomp")
     except metadata.PackageNotFoundError:

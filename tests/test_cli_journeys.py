@@ -77,6 +77,34 @@ def test_cfg_job_prints_composed_config(env: dict[str, str], tmp_path: Path) -> 
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_users_own_config_directory_adds_presets_and_options(env: dict[str, str],
+                                                               tmp_path: Path) -> None:
+    """`--config-dir DIR` and `hydra.searchpath=[...]` add a user's presets and group
+    options beside pdecomp's: checked, printed and run as pdecomp's own are."""
+    conf = tmp_path / "conf"
+    (conf / "experiment").mkdir(parents=True)
+    (conf / "layers").mkdir()
+    (conf / "experiment" / "mine.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /layers: narrow\n"
+        "optim:\n  steps: 3\n")
+    (conf / "layers" / "narrow.yaml").write_text("defaults:\n  - tms\n  - _self_\nC: 7\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    printed = ok(pdecomp(["--config-dir", str(conf), "+experiment=mine", "--cfg", "job"],
+                         work, env, timeout=120))
+    cfg = yaml.safe_load(printed.stdout)
+    assert cfg["layers"]["C"] == 7 and cfg["optim"]["steps"] == 3
+    missing = ok(pdecomp(["--config-dir", str(conf), "+experiment=mine", "layers.C=???",
+                          "--cfg", "job"], work, env, timeout=120))
+    assert yaml.safe_load(missing.stdout)["layers"]["C"] == "???"
+    run_dir = tmp_path / "run"
+    ok(pdecomp([f"hydra.searchpath=[file://{conf}]", "+experiment=mine", "gate.only=true",
+                f"hydra.run.dir={run_dir}"], work, env, timeout=300))
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["layers"]["C"] == 7
+    assert load_json(run_dir / "gate.json")["fits"] is True
+    assert list(work.iterdir()) == []
+
+
 def test_findings_table_keeps_site_names_whole_on_a_narrow_console(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import io
@@ -294,24 +322,24 @@ def test_tiny_hbm_cap_refuses_with_exit_3(env: dict[str, str], tmp_path: Path) -
 # --- sweeps ----------------------------------------------------------------------------
 
 
-def check_sweep(proc: subprocess.CompletedProcess[str], sweep_dir: Path) -> None:
+def check_sweep(proc: subprocess.CompletedProcess[str], sweep_dir: Path) -> list[Path]:
+    """Three jobs of batch 128, 256, 512, each in the summary; their directories."""
     ok(proc)
     assert "sweep summary" in proc.stdout, proc.stdout[-3000:]
-    jobs = sorted(p.name for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit())
-    assert jobs == ["0", "1", "2"]
-    sizes = []
-    for j in jobs:
-        summary = load_json(sweep_dir / j / "summary.json")
-        assert summary["steps"] == 40 and "loss/total" in summary
-        cfg = yaml.safe_load((sweep_dir / j / "config.yaml").read_text())
-        sizes.append(cfg["data"]["batch_size"])
-    assert sorted(sizes) == [128, 256, 512]
     rows = load_json(sweep_dir / "sweep_summary.json")
-    assert len(rows) == 3
+    assert [r["job"] for r in rows] == [0, 1, 2]
     assert all("summary.json" in r and "gate.json" in r for r in rows)
     assert sorted(o for r in rows for o in r["overrides"] if o.startswith("data.batch_size=")) \
         == ["data.batch_size=128", "data.batch_size=256", "data.batch_size=512"]
-    check_sweep_wandb([sweep_dir / j for j in jobs], "data.batch_size")
+    jobs = [Path(r["dir"]) for r in rows]
+    sizes = []
+    for j in jobs:
+        summary = load_json(j / "summary.json")
+        assert summary["steps"] == 40 and "loss/total" in summary
+        sizes.append(yaml.safe_load((j / "config.yaml").read_text())["data"]["batch_size"])
+    assert sorted(sizes) == [128, 256, 512]
+    check_sweep_wandb(jobs, "data.batch_size")
+    return jobs
 
 
 @pytest.mark.slow  # whole CLI runs, alike under every jax: the full suite, not the fast tier
@@ -319,15 +347,23 @@ def test_sweep_basic_launcher(env: dict[str, str], tmp_path: Path) -> None:
     sweep_dir = tmp_path / "sweep"
     proc = pdecomp(["-m", *TINY_NO_BATCH, "data.batch_size=128,256,512",
                     f"hydra.sweep.dir={sweep_dir}"], tmp_path, env, timeout=400)
-    check_sweep(proc, sweep_dir)
+    assert [j.name for j in check_sweep(proc, sweep_dir)] == ["0", "1", "2"]
+    # Rebuilt afterwards from what the jobs wrote, the summary is the one the sweep printed.
+    status = ok(pdecomp(["status", str(sweep_dir)], tmp_path, env))
+    assert "sweep summary" in status.stdout and status.stdout in proc.stdout
 
 
 @pytest.mark.slow
-def test_sweep_submitit_local(env: dict[str, str], tmp_path: Path) -> None:
+def test_sweep_submitit_local_in_directories_named_by_overrides(env: dict[str, str],
+                                                                tmp_path: Path) -> None:
+    """Job directories named by each job's overrides (Hydra's own recipe) instead of numbers:
+    the summary still has every job."""
     sweep_dir = tmp_path / "sweep_local"
     proc = pdecomp(["-m", "cluster=local", *TINY_NO_BATCH, "data.batch_size=128,256,512",
+                    "hydra.sweep.subdir=${hydra.job.override_dirname}",
                     f"hydra.sweep.dir={sweep_dir}"], tmp_path, env, timeout=900)
-    check_sweep(proc, sweep_dir)
+    jobs = check_sweep(proc, sweep_dir)
+    assert all(j.parent == sweep_dir and "data.batch_size=" in j.name for j in jobs), jobs
     assert (sweep_dir / ".submitit").is_dir()
 
 

@@ -73,10 +73,11 @@ def reference(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> 
 
 def submit(args: list[str], cwd: Path, env: dict[str, str],
            timeout: float = 600) -> tuple[subprocess.CompletedProcess[str], Path, float]:
-    """`pdecomp cluster=slurm ...` to its end: the process, the sweep dir, seconds taken."""
+    """`pdecomp --wait cluster=slurm ...` to its end: the process, the sweep dir, seconds
+    taken."""
     sweep = cwd / "sweep"
     t0 = time.perf_counter()
-    proc = pdecomp([*args, f"hydra.sweep.dir={sweep}"], cwd, env, timeout=timeout)
+    proc = pdecomp(["--wait", *args, f"hydra.sweep.dir={sweep}"], cwd, env, timeout=timeout)
     return proc, sweep, time.perf_counter() - t0
 
 
@@ -192,7 +193,7 @@ def test_interrupted_job_requeues_and_ends_as_if_uninterrupted(
     sweep = tmp_path / "sweep"
     t0 = time.perf_counter()
     runner = subprocess.Popen(
-        [PDECOMP, *TWO_TASKS, *RUN, f"hydra.sweep.dir={sweep}"], cwd=tmp_path,
+        [PDECOMP, "--wait", *TWO_TASKS, *RUN, f"hydra.sweep.dir={sweep}"], cwd=tmp_path,
         env=cluster, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         log0 = wait_for(lambda: next(iter(rank_logs(sweep).values()), ""),
@@ -255,23 +256,43 @@ def test_a_checkpoint_unreadable_on_one_process_is_set_aside_by_every_process(
     assert load_json(run_dir / "summary.json")["steps"] == STEPS
 
 
-def test_sweep_runs_as_a_job_array(cluster, reference: Path, tmp_path: Path) -> None:
+def test_a_sweep_is_submitted_as_a_job_array_and_status_summarises_it(
+        cluster, tmp_path: Path) -> None:
+    """`pdecomp -m cluster=slurm ...` submits the sweep as one array and returns while its
+    jobs wait (held here, so that they cannot have ended); `pdecomp status --wait` then
+    prints the sweep's summary from what the jobs wrote. The jobs carry the preset's name
+    and run the copy of the code taken at submission, whose commit their summaries record."""
     short = [o for o in RUN if not o.startswith("optim.steps=")] + ["optim.steps=100"]
-    proc, sweep, seconds = submit(["-m", "cluster=slurm", *short, "logging.wandb.mode=offline",
-                                   "loss.imp_min_coeff=0.001,0.003,0.01"], tmp_path, cluster)
-    print(f"3-job sweep: {seconds:.1f} s")
+    sweep = tmp_path / "sweep"
+    proc = pdecomp(["-m", "cluster=slurm", *short, "logging.wandb.mode=offline",
+                    "+hydra.launcher.additional_parameters.hold=true",
+                    "loss.imp_min_coeff=0.001,0.003,0.01", f"hydra.sweep.dir={sweep}"],
+                   tmp_path, cluster, timeout=120)
     ok(proc)
-    tasks = [j for j in job_ids(sweep) if "_" in j]  # the array's own folder holds none
-    (array,) = {j.split("_")[0] for j in tasks}
-    assert tasks == [f"{array}_{i}" for i in range(3)]
+    submitted = load_json(sweep / "jobs.json")
+    (array,) = {j["job_id"].split("_")[0] for j in submitted["jobs"]}
+    assert [j["job_id"] for j in submitted["jobs"]] == [f"{array}_{i}" for i in range(3)]
+    assert f"pdecomp status {sweep}" in proc.stdout and f"squeue -j {array}" in proc.stdout
+    queued = subprocess.run(["squeue", "-h", "-r", "-j", array, "-o", "%T %j"], env=cluster,
+                            capture_output=True, text=True, check=True, timeout=60).stdout
+    assert queued.split() == ["PENDING", "pdecomp-tms_5-2"] * 3, queued
+    waiting = pdecomp(["status", str(sweep)], tmp_path, cluster, timeout=120)
+    ok(waiting)
+    assert waiting.stdout.count("PENDING") == 3 and "3 of 3 jobs not ended yet" in waiting.stdout
+    subprocess.run(["scontrol", "release", array], env=cluster, check=True, timeout=60)
+    status = pdecomp(["status", str(sweep), "--wait", "--every", "1"], tmp_path, cluster,
+                     timeout=600)
+    ok(status)
     states = sacct(array, cluster)
-    assert sorted(r[0] for r in states if "." not in r[0]) == [f"{array}_{i}" for i in range(3)]
     assert all(r[1] == "COMPLETED" for r in states if "." not in r[0]), states
-    assert "sweep summary" in proc.stdout
+    assert "sweep summary" in status.stdout and "PENDING" not in status.stdout
     for value in ("0.001", "0.003", "0.01"):
-        assert value in proc.stdout
+        assert value in status.stdout
     rows = load_json(sweep / "sweep_summary.json")
     assert len(rows) == 3 and all("summary.json" in r for r in rows)
+    commit = submitted["provenance"]["commit"]
+    assert all(r["summary.json"]["pdecomp/commit"] == commit for r in rows)
+    assert all(f"code {sweep / '.code'}" in text for text in rank_logs(sweep).values())
     check_sweep_wandb([sweep / str(i) for i in range(3)], "loss.imp_min_coeff")
 
 
@@ -290,6 +311,10 @@ def test_refused_gate_exits_3_on_every_rank(cluster, tmp_path: Path) -> None:
     steps = {r[0]: r for r in sacct(job, cluster)}
     assert steps[job][1] == "FAILED" and steps[job][2] == "3:0", steps
     assert not (sweep / "0" / "checkpoints").exists()
+    # Rebuilt afterwards, the job's summary is the one the blocking run printed.
+    status = pdecomp(["status", str(sweep)], tmp_path, cluster, timeout=120)
+    assert status.returncode == 3 and "job 0" in status.stdout
+    assert status.stdout in proc.stdout, (status.stdout, proc.stdout)
 
 
 def test_a_config_refused_in_the_job_is_the_sweeps_row_and_exit_2(cluster, tmp_path: Path

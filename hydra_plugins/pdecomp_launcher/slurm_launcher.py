@@ -3,6 +3,13 @@
 - `srun_args` and a `tasks_per_node` that may be left to SLURM (null);
 - rank 0 alone keeps Hydra's job files and log: every rank runs the whole task function in
   the same job directory;
+- it submits and returns (`hydra.launcher.wait=false`, the default): the jobs, how to
+  follow them and `pdecomp status <sweep dir>` are printed, and recorded in `jobs.json`
+  (launcher.slurm_jobs); `pdecomp --wait ...` (`wait=true`) holds the terminal to the end,
+  as does any sweeper that needs each job's result to choose the next (Optuna's);
+- the jobs run a snapshot of the code and configs taken at submission (`snapshot=true`), so
+  a checkout that changes while they wait in the queue does not change what they run;
+- jobs are named after the preset (`hydra.launcher.name` to choose);
 - a job that ends without a result (gate refused, crashed, cancelled) is reported in one line
   with its log file and its gate report, instead of a submitit traceback, and the sweep goes
   on to its summary (launcher.outcome); `pdecomp` then exits with the sweep's worst code.
@@ -21,6 +28,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +39,7 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, SlurmQue
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from launcher import cluster, outcome
+from launcher import cluster, slurm_jobs, snapshot
 from pdecomp.exits import EXIT_GATE_REFUSED
 
 log = logging.getLogger(__name__)
@@ -54,6 +62,9 @@ class PdecompSlurmConf(SlurmQueueConf):
     srun_args: list[str] | None = None  # added to the `srun` line that starts every task
     # Requeues after a preemption or time limit before the job gives up (submitit's name).
     max_num_timeout: int = 3
+    name: str | None = None  # the job's name in squeue; null: pdecomp-<preset or model>
+    wait: bool = False  # hold the terminal until every job has ended (`pdecomp --wait`)
+    snapshot: bool = True  # the jobs run a copy of the code taken at submission
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="pdecomp_slurm",
@@ -73,6 +84,7 @@ class SlurmLauncher(BaseSubmititLauncher):
         Singleton.set_state(singleton_state)
         setup_globals()
         env = submitit.JobEnvironment()
+        snapshot.use_configs(self.hydra_context.config_loader)
         sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config,
                                                                           sweep_overrides)
         with open_dict(sweep_config.hydra):
@@ -100,10 +112,47 @@ class SlurmLauncher(BaseSubmititLauncher):
     # -- where `pdecomp` was started ---------------------------------------------------------
     def launch(self, job_overrides: Sequence[Sequence[str]],
                initial_job_idx: int) -> Sequence[JobReturn]:
-        import submitit
+        from pdecomp.resolve import provenance  # jax: not at Hydra's plugin scan
 
         assert self.config is not None
+        sweep_dir = Path(str(self.config.hydra.sweep.dir)).absolute()
+        sweep_dir.mkdir(parents=True, exist_ok=True)
         params = dict(self.params)
+        waits = bool(params.pop("wait")) or not str(
+            self.config.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper")
+        code = snapshot.take(sweep_dir / ".code") if params.pop("snapshot") else None
+        if code is not None:
+            params["setup"] = [snapshot.setup_line(code), *(params.get("setup") or [])]
+        params["name"] = params.get("name") or job_name(self.config)
+        nums = [initial_job_idx + i for i in range(len(job_overrides))]
+        for num, overrides in zip(nums, job_overrides):
+            log.info(f"\t#{num} : {' '.join(filter_overrides(overrides))}")
+        args = [(list(o), "hydra.sweep.dir", num, f"job_id_for_{num}", Singleton.get_state())
+                for num, o in zip(nums, job_overrides)]
+        folder = params["submitit_folder"]
+        jobs = self._executor(params).map_array(self, *zip(*args))
+        entries = [{"num": num, "job_id": job.job_id, "dir": str(self._job_dir(num, o)),
+                    "overrides": filter_overrides(o), "stderr": str(job.paths.stderr)}
+                   for job, num, o in zip(jobs, nums, job_overrides)]
+        slurm_jobs.write(sweep_dir, {
+            "submitted": datetime.now().isoformat(timespec="seconds"), "waited": waits,
+            "name": params["name"], "submitit_folder": str(folder), "provenance": provenance(),
+            "code": str(code) if code else None, "jobs": entries})
+        if not waits:  # the sweep's end (launcher.callbacks) says how to follow them
+            return [JobReturn(overrides=list(o), cfg=DictConfig({}), hydra_cfg=self.config,
+                              working_dir=e["dir"], task_name=str(self.config.hydra.job.name),
+                              status=JobStatus.COMPLETED, _return_value={"submitted": e["job_id"]})
+                    for e, o in zip(entries, job_overrides)]
+        tasks = params.get("nodes", 1) * (params.get("tasks_per_node") or 1)
+        log.info(f"submitted {len(jobs)} SLURM job(s) ({', '.join(j.job_id for j in jobs)}), "
+                 f"{tasks} task(s) each; logs: {jobs[0].paths.folder}; waiting for them")
+        return [self._result(job, num, list(o), Path(e["dir"]))
+                for job, num, o, e in zip(jobs, nums, job_overrides, entries)]
+
+    def _executor(self, params: dict[str, Any]) -> Any:
+        import submitit
+
+        params = dict(params)
         executor = submitit.AutoExecutor(folder=params.pop("submitit_folder"), cluster="slurm",
                                          slurm_max_num_timeout=params.pop("max_num_timeout"))
         shared = set(OmegaConf.structured(BaseQueueConf).keys())
@@ -112,51 +161,35 @@ class SlurmLauncher(BaseSubmititLauncher):
         params["srun_args"] = ["--kill-on-bad-exit=1", *(params.get("srun_args") or [])]
         executor.update_parameters(**{k if k in shared else f"slurm_{k}": v
                                       for k, v in params.items() if v is not None})
-        sweep_dir = Path(str(self.config.hydra.sweep.dir))
-        sweep_dir.mkdir(parents=True, exist_ok=True)
+        return executor
 
-        nums = [initial_job_idx + i for i in range(len(job_overrides))]
-        for num, overrides in zip(nums, job_overrides):
-            log.info(f"\t#{num} : {' '.join(filter_overrides(overrides))}")
-        args = [(list(o), "hydra.sweep.dir", num, f"job_id_for_{num}", Singleton.get_state())
-                for num, o in zip(nums, job_overrides)]
-        jobs = executor.map_array(self, *zip(*args))
-        tasks = params.get("nodes", 1) * (params.get("tasks_per_node") or 1)
-        log.info(f"submitted {len(jobs)} SLURM job(s) ({', '.join(j.job_id for j in jobs)}), "
-                 f"{tasks} task(s) each; logs: {jobs[0].paths.folder}")
-        return [self._result(job, num, list(o), sweep_dir)
-                for job, num, o in zip(jobs, nums, job_overrides)]
+    def _job_dir(self, num: int, overrides: Sequence[str]) -> Path:
+        """Where job `num` writes: the sweep's `hydra.sweep.subdir` for it, as the job will
+        resolve it (composed here only when it depends on more than the job's number)."""
+        assert self.config is not None and self.hydra_context is not None
+        sweep = self.config.hydra.sweep
+        subdir = OmegaConf.to_container(sweep, resolve=False)["subdir"]
+        if subdir != "${hydra.job.num}":
+            config = self.hydra_context.config_loader.load_sweep_config(self.config,
+                                                                        list(overrides))
+            with open_dict(config.hydra):
+                config.hydra.job.num = num
+            subdir = OmegaConf.select(config, "hydra.sweep.subdir")
+        else:
+            subdir = str(num)
+        return Path(str(sweep.dir)).absolute() / str(subdir)
 
-    def _result(self, job: Any, num: int, overrides: list[str], sweep_dir: Path) -> JobReturn:
+    def _result(self, job: Any, num: int, overrides: list[str], job_dir: Path) -> JobReturn:
         """Rank 0's JobReturn; for a job that produced none, a stand-in that says why."""
-        import submitit
-
         job.wait()  # a result file, or SLURM says the job ended
-        state = job.state.split()[0].upper()  # e.g. "CANCELLED by 0"
-        error = f"SLURM state {state}"
-        # A job that ended without writing a result is not waited on further (submitit would
-        # give a slow shared file system another 15 s to show the file).
-        if state == "COMPLETED" or job.paths.result_pickle.exists():
-            try:
-                return job.results()[0]
-            except (submitit.core.utils.UncompletedJobError,
-                    submitit.core.utils.FailedJobError) as e:
-                lines = [x.strip() for x in str(e).splitlines() if x.strip()]
-                error = lines[-1] if lines else type(e).__name__  # a traceback's last line
-        # The job directory follows hydra.sweep.subdir, which conf/config.yaml sets to the
-        # job number.
-        job_dir = sweep_dir / str(num)
-        gate = job_dir / "gate.json"
-        report = json.loads(gate.read_text()) if gate.exists() else None
-        ended = outcome.read(job_dir)  # what rank 0 said before it left, if it did
+        result, ended = slurm_jobs.settle(job, job_dir, job.state.split()[0].upper())
         if ended is None:
-            refused = report is not None and not report.get("fits", True)
-            code, why = (EXIT_GATE_REFUSED, "gate refused") if refused else (1, error)
-            job_dir.mkdir(parents=True, exist_ok=True)
-            ended = outcome.write(job_dir, code, why)
+            return result
         code = ended["exit_code"]
         if code == EXIT_GATE_REFUSED:
-            value = {"refused": True, "gate": report}
+            gate = job_dir / "gate.json"
+            value = {"refused": True,
+                     "gate": json.loads(gate.read_text()) if gate.exists() else None}
             log.error(f"job #{num} ({job.job_id}): gate refused, exit {code} on every rank; "
                       f"report: {gate}")
         else:
@@ -166,3 +199,9 @@ class SlurmLauncher(BaseSubmititLauncher):
         return JobReturn(overrides=overrides, cfg=DictConfig({}), hydra_cfg=self.config,
                          working_dir=str(job_dir), task_name=str(self.config.hydra.job.name),
                          status=JobStatus.COMPLETED, _return_value=value)
+
+
+def job_name(config: DictConfig) -> str:
+    """The jobs' name in squeue: pdecomp-<the preset>, or the run's name without one."""
+    preset = config.hydra.runtime.choices.get("experiment")
+    return f"pdecomp-{preset or config.get('name', 'run')}"
