@@ -136,6 +136,7 @@ def compose_run(overrides: list[str], validated: bool = True) -> Composed:
     composed = compose(config_name="config", overrides=overrides, return_hydra_config=True)
     hc = composed.hydra
     launcher = str(hc.launcher.get("_target_", ""))
+    sweeper = str(hc.sweeper.get("_target_", ""))
     dirs = Path(str(hc.run.dir)), Path(str(hc.sweep.dir))
     with open_dict(composed):  # Hydra's node holds job-time interpolations
         del composed["hydra"]
@@ -149,6 +150,10 @@ def compose_run(overrides: list[str], validated: bool = True) -> Composed:
     cfg = with_microbatch_size(to_run_config(composed), None)
     if validated:
         validate(cfg)
+        if cfg.logging.objective is None and not sweeper.endswith("BasicSweeper"):
+            raise ConfigError("logging.objective", None, (
+                f"the sweeper {sweeper.rsplit('.', 1)[-1]} chooses jobs by their results: name "
+                "the summary key it optimises, e.g. logging.objective=loss/total"))
     return Composed(cfg, launcher, *dirs)
 
 
@@ -199,7 +204,11 @@ def check_overrides(overrides: list[str], validated: bool = True,
         key = o.get_key_element()
         if key.lstrip("+~").startswith("hydra"):
             continue  # Hydra's own settings: Hydra checks them
-        if o.is_sweep_override():
+        if o.is_interval_sweep():  # a searching sweeper's range: both of its ends checked
+            v = o.value()
+            cast = int if "int" in v.tags else float
+            choices.append([f"{key}={cast(end)}" for end in (v.start, v.end)])
+        elif o.is_sweep_override():
             choices.append([f"{key}={v}" for v in o.sweep_string_iterator()])
         else:
             choices.append([o.input_line])
@@ -249,10 +258,10 @@ def remove_if_empty(dirs: list[Path]) -> None:
 
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
-def _hydra_main(cfg: DictConfig) -> dict:
-    from launcher.job import run_job  # heavy imports (jax, wandb) only once a job runs
+def _hydra_main(cfg: DictConfig) -> dict | float:
+    from launcher.job import objective, run_job  # heavy imports (jax, wandb) only in a job
 
-    return run_job(cfg)
+    return objective(cfg.logging.objective, run_job(cfg))
 
 
 def _hydra_record(overrides: list[str]) -> tuple[Path, dict[str, bytes]] | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import shutil
 import sys
@@ -232,6 +233,20 @@ def check_gpus_seen(asked: int) -> None:
             f"the job was given GPUs but jax sees only {jax.default_backend()} devices: "
             "install jax's CUDA plugin into the venv the job runs (make install-gpu), or "
             "ask for none"))
+
+
+def objective(key: str | None, result: dict[str, Any]) -> dict[str, Any] | float:
+    """What the job returns to its sweeper: the summary, or, for a sweeper that optimises
+    `logging.objective`, that value (NaN for a job that failed or lacks the key, which
+    Optuna and the like record as a failed trial)."""
+    if key is None:
+        return result
+    value = result.get(key)
+    if value is None and not {"failed", "refused"} & result.keys():
+        have = ", ".join(k for k in result if isinstance(result[k], float)) or "none"
+        print(f"logging.objective={key} is not in this run's summary; it has: {have}",
+              file=sys.stderr)
+    return float(value) if isinstance(value, (int, float)) else math.nan
 
 
 def run_job(dict_cfg: DictConfig) -> dict[str, Any]:

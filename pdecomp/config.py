@@ -381,6 +381,9 @@ class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     progress: bool = True
     plots: bool = True
+    # The summary key a job hands a sweeper that chooses the next jobs from the last ones'
+    # results (Optuna's, Nevergrad's, Ax's), e.g. "loss/total"; their direction is theirs.
+    objective: str | None = None
 
 
 @dataclass(frozen=True)

@@ -367,6 +367,28 @@ def test_sweep_submitit_local_in_directories_named_by_overrides(env: dict[str, s
     assert (sweep_dir / ".submitit").is_dir()
 
 
+@pytest.mark.slow
+def test_an_optuna_sweep_over_an_interval_reports_its_best(env: dict[str, str],
+                                                          tmp_path: Path) -> None:
+    """Hydra's Optuna sweeper searches an interval of loss.imp_min_coeff, each trial a run
+    whose logging.objective it minimises; the sweep ends with Optuna's best and pdecomp's
+    summary of every trial."""
+    sweep = tmp_path / "optuna"
+    proc = ok(pdecomp(["-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=3",
+                       "hydra.sweeper.sampler.seed=0", "loss.imp_min_coeff=interval(1e-4,1e-2)",
+                       *TINY, "logging.objective=loss/total", f"hydra.sweep.dir={sweep}"],
+                      tmp_path, env, timeout=600))
+    best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    rows = load_json(sweep / "sweep_summary.json")
+    assert [r["job"] for r in rows] == [0, 1, 2]
+    losses = {float(o.split("=")[1]): r["summary.json"]["loss/total"]
+              for r in rows for o in r["overrides"] if o.startswith("loss.imp_min_coeff=")}
+    assert len(losses) == 3 and all(1e-4 <= c <= 1e-2 for c in losses), losses
+    assert best["best_value"] == pytest.approx(min(losses.values()))
+    assert losses[best["best_params"]["loss.imp_min_coeff"]] == pytest.approx(best["best_value"])
+    assert "Best value" in proc.stdout + proc.stderr and "sweep summary" in proc.stdout
+
+
 # --- wandb read back -------------------------------------------------------------------
 
 
