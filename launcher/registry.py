@@ -22,6 +22,7 @@ from pdecomp.config import (
     RunConfig,
     expand_sites,
 )
+from pdecomp.hub import local_model_dir
 from pdecomp.kinds import KINDS, kind_of, run_config, site_names_of
 
 
@@ -96,7 +97,9 @@ def model_name(path: str, preset: str) -> str:
     p = PurePath(str(path))
     if p.parent.name == "snapshots" and p.parent.parent.name.startswith("models--"):
         return p.parent.parent.name.split("--")[-1]
-    return p.name or preset
+    if p.name.startswith("models--"):  # the cache's folder of one repository
+        return p.name.split("--")[-1]
+    return p.name.split("@")[0] or preset  # a hub id's name, without its revision
 
 
 def to_run_config(cfg: DictConfig | dict[str, Any]) -> RunConfig:
@@ -105,6 +108,9 @@ def to_run_config(cfg: DictConfig | dict[str, Any]) -> RunConfig:
             if isinstance(cfg, DictConfig) else cfg)
     assert isinstance(data, dict)
     cfg = run_config({k: v for k, v in data.items() if k != "hydra"})
+    if path := getattr(cfg.model, "path", ""):  # a hub id: its snapshot in the hub cache
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, path=local_model_dir(path)))
     try:
         known = site_names_of(cfg.model)
     except ConfigError:  # a bad model: validation names it first, sites unexpanded
