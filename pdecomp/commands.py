@@ -25,7 +25,7 @@ def refuse(prog: str, line: str) -> int:
     return EXIT_BAD_CONFIG
 
 
-def progress_bar(total: int, label: str) -> tuple[Callable[[int, int], None],
+def progress_bar(total: int | None, label: str) -> tuple[Callable[[int, int], None],
                                                  Callable[[], None]]:
     """A rich progress bar on a terminal; nothing on a pipe or a file."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn

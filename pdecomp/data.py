@@ -52,6 +52,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -227,9 +228,17 @@ def write_tokens(path: str | Path, ids: np.ndarray | list[int], token_dtype: str
         raise ValueError(f"ids in [{int(arr.min())}, {int(arr.max())}] do not fit "
                          f"{token_dtype}")
     arr.astype(dtype).tofile(path)
-    sidecar_of(path).write_text(json.dumps({"format": SIDECAR_FORMAT, "dtype": token_dtype,
-                                            "count": int(arr.size)}))
+    write_sidecar(path, token_dtype, int(arr.size))
     return path
+
+
+def write_sidecar(path: Path, token_dtype: str, count: int,
+                  record: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`path`'s sidecar: its dtype and id count (checked when the file is opened), and
+    anything else worth keeping about how it was made (`record`). The sidecar as written."""
+    side = {"format": SIDECAR_FORMAT, "dtype": token_dtype, "count": count, **(record or {})}
+    sidecar_of(path).write_text(json.dumps(side, indent=1))
+    return side
 
 
 def _check_sidecar(spec: TokenSpec, path: Path, n_bytes: int) -> None:

@@ -288,6 +288,73 @@ def test_tokenize_writes_documents_with_eos_that_the_token_reader_takes(tmp_path
          *tok.encode("and the 42").ids, 1])
 
 
+def _tokenize_rss(args: list[str]) -> int:
+    """`pdecomp tokenize args` in a fresh interpreter: its exit code must be 0; the most
+    memory it held at once (peak RSS, bytes)."""
+    import subprocess
+    import sys
+
+    # VmHWM: this program's own peak (getrusage's maxrss would include the forking parent's,
+    # which Linux carries across exec).
+    code = ("import re, sys; from pdecomp import text; rc = text.main(sys.argv[1:]); "
+            "status = open('/proc/self/status').read(); "
+            "print(re.search(r'VmHWM:\\s+(\\d+) kB', status).group(1)); sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return int(proc.stdout.split()[-1]) * 1024
+
+
+@pytest.mark.slow
+def test_tokenize_streams_a_corpus_larger_than_its_memory_allowance(tmp_path):
+    """A Parquet corpus of 20 MB of text is tokenized holding at most 8 MB more than one of
+    a quarter of its size: the memory is bounded, not grown with the corpus (an in-memory
+    pass holds the text: +15 MB and more here); its ids are those of encoding each document
+    as the tokenizer's template says, followed by EOS; the same documents as JSON Lines give
+    the same ids."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    write_gguf(FIXTURES / "tied_sharded", tmp_path / "m.gguf")
+    model = from_gguf.convert(tmp_path / "m.gguf", tmp_path / "m")
+    words = np.array(["the", "band", "and", "in", "them", "42", "the band"])
+    rng = np.random.default_rng(0)
+    docs = [" ".join(rng.choice(words, 90)) for _ in range(50_000)]
+    assert sum(map(len, docs)) > 20e6
+    pq.write_table(pa.table({"id": np.arange(len(docs)), "text": docs}), tmp_path / "big.parquet",
+                   row_group_size=5000)
+    pq.write_table(pa.table({"text": docs[:len(docs) // 4]}), tmp_path / "small.parquet",
+                   row_group_size=5000)
+    with (tmp_path / "big.jsonl").open("w") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in docs[:3000])
+    base = _tokenize_rss([str(tmp_path / "small.parquet"), "--model", str(model),
+                          "-o", str(tmp_path / "small.bin")])
+    peak = _tokenize_rss([str(tmp_path / "big.parquet"), "--model", str(model),
+                          "-o", str(tmp_path / "big.bin")])
+    # Shuffled, the documents are held in memory: the same measure sees them.
+    held = _tokenize_rss([str(tmp_path / "big.parquet"), "--model", str(model),
+                          "-o", str(tmp_path / "held.bin"), "--seed", "0"])
+    print(f"peak RSS {base / 2**20:.1f} MiB for a quarter of the corpus; the whole streamed "
+          f"+{(peak - base) / 2**20:.1f} MiB, held +{(held - base) / 2**20:.1f} MiB")
+    assert peak - base < 8 * 2**20 < held - base, (base, peak, held)
+    ids = np.memmap(tmp_path / "big.bin", np.uint16, mode="r")
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    at = 0
+    for lo in range(0, len(docs), 10_000):  # the expected ids a slice at a time
+        want = np.concatenate([[*e.ids, 1] for e in tok.encode_batch(docs[lo:lo + 10_000])])
+        assert np.array_equal(ids[at:at + len(want)], want), lo
+        at += len(want)
+    assert at == len(ids)
+    side = json.loads(data.sidecar_of(tmp_path / "big.bin").read_text())
+    assert side["count"] == len(ids) and side["documents"] == len(docs) and side["eos"] == 1
+    assert side["inputs"] == [str(tmp_path / "big.parquet")]
+    assert text.main([str(tmp_path / "big.jsonl"), "--model", str(model), "-o",
+                      str(tmp_path / "jsonl.bin")]) == 0
+    from_jsonl = np.fromfile(tmp_path / "jsonl.bin", np.uint16)
+    assert np.array_equal(from_jsonl, ids[:len(from_jsonl)]) and from_jsonl[-1] == 1
+    assert json.loads(data.sidecar_of(tmp_path / "jsonl.bin").read_text())["documents"] == 3000
+
+
 @pytest.mark.parametrize(("args", "words"), [
     (["{corpus}", "--model", "{tmp}/nomodel", "-o", "{tmp}/t.bin"], "no tokenizer.json"),
     (["{tmp}/nothere.txt", "--model", "{model}", "-o", "{tmp}/t.bin"], "no such file"),
