@@ -148,8 +148,8 @@ def compose_run(overrides: list[str], validated: bool = True) -> Composed:
                           + (f" (and {', '.join(missing[1:])})" if missing[1:] else ""))
     # a planned mesh's microbatches now; a local mesh's in the job, which knows its devices
     cfg = with_microbatch_size(to_run_config(composed), None)
-    if validated:
-        validate(cfg)
+    if validated:  # a submitted job's data: headers and sizes here, every id in the job
+        validate(cfg, scan_data=launcher.endswith("BasicLauncher"))
         if cfg.logging.objective is None and not sweeper.endswith("BasicSweeper"):
             raise ConfigError("logging.objective", None, (
                 f"the sweeper {sweeper.rsplit('.', 1)[-1]} chooses jobs by their results: name "

@@ -74,9 +74,11 @@ class Kind:
         for key in self.positive:
             check_positive(f"model.{key}", getattr(model, key), zero_ok=key in self.zero_ok)
 
-    def validate_data(self, model: ModelConfig, data: DataConfig, seed: int) -> None:
+    def validate_data(self, model: ModelConfig, data: DataConfig, seed: int,
+                      scan: bool = True) -> None:
         """Checks of the data a training run reads, before anything is made (ConfigError;
-        not asked of a gate-only run, which reads no data)."""
+        not asked of a gate-only run, which reads no data). Without `scan`, only what
+        headers and sizes tell (a submission's check; the job scans)."""
 
     def preflight(self, model: ModelConfig, data: DataConfig, seed: int) -> None:
         """Checks that read files a training job needs (the token stream), in the job."""

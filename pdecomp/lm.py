@@ -77,16 +77,17 @@ def _language(cfg: ModelConfig, seed: int) -> data.TokenStream:
 
 
 @functools.lru_cache(maxsize=4)
-def _open_tokens(spec: data.TokenSpec) -> data.TokenStream:
-    return data.open_tokens(spec)
+def _open_tokens(spec: data.TokenSpec, scan: bool) -> data.TokenStream:
+    return data.open_tokens(spec, scan)
 
 
-def token_stream(model: ModelConfig, d: DataConfig, seed: int, held_out: bool = False
-                 ) -> data.TokenStream:
-    """The training stream, or the held-out one the final evaluation reads."""
+def token_stream(model: ModelConfig, d: DataConfig, seed: int, held_out: bool = False,
+                 scan: bool = True) -> data.TokenStream:
+    """The training stream, or the held-out one the final evaluation reads (`scan`: every
+    id checked, pdecomp.data.open_tokens)."""
     spec = data.TokenSpec(d.source, d.path, d.token_dtype, d.column, d.seq_len,
                           arch(model).vocab_size, seed)
-    return _open_tokens(spec).split(d.eval_frac, seed + EVAL_SEED_OFFSET)[held_out]
+    return _open_tokens(spec, scan).split(d.eval_frac, seed + EVAL_SEED_OFFSET)[held_out]
 
 
 def arch(model: ModelConfig) -> llama.LlamaConfig:
@@ -146,13 +147,14 @@ class LlamaKind(Kind):
             name, value, allowed = problem
             raise ConfigError(f"model.rope_scaling.{name}", value, allowed)
 
-    def validate_data(self, model: ModelConfig, data: DataConfig, seed: int) -> None:
+    def validate_data(self, model: ModelConfig, data: DataConfig, seed: int,
+                      scan: bool = True) -> None:
         """The token source opened as the run will open it, every id checked against the
-        vocab and the dtype against its sidecar (pdecomp.data), so a bad file ends here,
-        before the launcher makes anything. The scan is kept per file, so the job reads it
-        once more at most (not at all when it runs in the launcher's process)."""
+        vocab (`scan`) and the dtype against its sidecar (pdecomp.data), so a bad file ends
+        here, before the launcher makes anything. The scan is kept per file, so the job
+        reads it once more at most (not at all when it runs in the launcher's process)."""
         if data.source in (DataSource.tokens, DataSource.hf_dataset):
-            token_stream(model, data, seed)
+            token_stream(model, data, seed, scan=scan)
 
     def preflight(self, model: ModelConfig, data: DataConfig, seed: int) -> None:
         # The checkpoint's headers were checked by `validate`, which the job runs first.

@@ -45,14 +45,15 @@ def _fraction(key: str, value: float) -> None:
         raise ConfigError(key, value, "must be a fraction in [0, 1]")
 
 
-def validate(cfg: RunConfig, n_devices: int | None = None) -> None:
+def validate(cfg: RunConfig, n_devices: int | None = None, scan_data: bool = True) -> None:
     """Cross-field checks that types cannot express. Raises ConfigError on the first problem.
 
     `n_devices`: the devices the job has, where known (in the job, not for a deviceless
-    gate, whose mesh is the planned hosts x GPUs)."""
-    for check in (_validate_model, _validate_layers, _validate_loss, _validate_optim,
-                  _validate_data):
+    gate, whose mesh is the planned hosts x GPUs). Without `scan_data`, a token source's
+    headers and sizes are checked, not its every id (a submission: the job scans them)."""
+    for check in (_validate_model, _validate_layers, _validate_loss, _validate_optim):
         check(cfg)
+    _validate_data(cfg, scan_data)
     _validate_microbatch_size(cfg, n_devices)
     _validate_mesh(cfg, n_devices)
     _validate_memory_and_gate(cfg)
@@ -173,7 +174,7 @@ def _validate_optim(cfg: RunConfig) -> None:
         check_positive(f"optim.{group}.clip_norm", g.clip_norm, zero_ok=True)
 
 
-def _validate_data(cfg: RunConfig) -> None:
+def _validate_data(cfg: RunConfig, scan: bool = True) -> None:
     """The data source and what the target reads."""
     m = cfg.model
     d = cfg.data
@@ -191,7 +192,7 @@ def _validate_data(cfg: RunConfig) -> None:
     if d.source in ("tokens", "hf_dataset") and not d.path and not cfg.gate.only:
         raise ConfigError("data.path", d.path, f"data.source={d.source} needs a path")
     if not cfg.gate.only:  # a gate reads shapes, not the data
-        kind.validate_data(m, d, cfg.seed)
+        kind.validate_data(m, d, cfg.seed, scan)
 
 
 def _validate_microbatch_size(cfg: RunConfig, n_devices: int | None) -> None:

@@ -275,6 +275,27 @@ def test_an_id_beyond_the_vocab_anywhere_in_the_file_is_refused(tmp_path, monkey
     assert open_tokens(spec("tokens", path, vocab_size=1_000)).n_tokens == len(ids) + 1
 
 
+def test_a_submission_checks_headers_and_sizes_and_leaves_the_ids_to_the_job(tmp_path,
+                                                                              monkeypatch):
+    """Opened without `scan` (where `pdecomp cluster=slurm` submits), a token file's size,
+    sidecar and length are checked and not one id is read; the job's scan then refuses the
+    id beyond the vocab."""
+    ids = np.random.default_rng(0).integers(0, 1_000, size=10_000)
+    ids[9_000] = 1_000
+    path = data.write_tokens(tmp_path / "t.bin", ids, "uint16")
+
+    def no_scan(*args):
+        raise AssertionError("the ids were read")
+
+    with monkeypatch.context() as m:
+        m.setattr(data, "scan_ids", no_scan)
+        assert open_tokens(spec("tokens", path, vocab_size=1_000), scan=False).n_tokens == 10_000
+        with pytest.raises(ConfigError, match="data.token_dtype"):  # the sidecar disagrees
+            open_tokens(spec("tokens", path, token_dtype="uint32", vocab_size=1_000), scan=False)
+    with pytest.raises(ConfigError, match="token id 1000 >= model vocab size 1000"):
+        open_tokens(spec("tokens", path, vocab_size=1_000))
+
+
 def test_an_id_beyond_the_vocab_in_a_later_dataset_file_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "_SCAN_CHUNK", 64)
     docs = [[1] * 50 for _ in range(40)] + [[2] * 30 + [77]]
