@@ -23,8 +23,8 @@ consecutive tokens. Three sources (`TokenSpec.source`, config key `data.source`)
     the dtype and the id count; a file with a sidecar is checked against it when opened.
 
 ``hf_dataset`` — a directory written by ``datasets.Dataset.save_to_disk``
-    ``state.json`` lists ``_data_files`` (``[{"filename": "data-00000-of-00001.arrow"},
-    ...]``), each an Arrow IPC *stream* file, in order. Column ``data.column`` (e.g.
+    Its Arrow IPC files (``data-00000-of-00003.arrow``, ...: the stream format
+    ``save_to_disk`` writes, or the file format), in the order of their names. Column ``data.column`` (e.g.
     ``input_ids``) holds one list of integer token ids per document (``list<int*>``,
     ``large_list`` or ``fixed_size_list``). The documents, in file then row order, form the
     stream back to back; the files are memory-mapped and indexed in place
@@ -50,6 +50,7 @@ import dataclasses
 import functools
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -285,23 +286,15 @@ def _open_flat_file(spec: TokenSpec) -> np.ndarray:
 
 
 def _open_hf_dataset(spec: TokenSpec) -> ChunkedTokens:
-    root = _dataset_dir(spec)
-    try:
-        state = json.loads((root / "state.json").read_text())
-        files = [root / f["filename"] for f in state["_data_files"]]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError("data.path", spec.path, f"unreadable state.json ({e})") from e
-    if missing := [str(f) for f in files if not f.is_file()]:
-        raise ConfigError("data.path", spec.path, f"data files missing: {', '.join(missing)}")
-
+    files = _arrow_files(spec)
     # Flattened columns of the memory-mapped files, as numpy views: nothing is read here
     # but the schema and the batch headers. Ids are checked like a flat file's: all of them
     # when the stream is opened, every batch as it is read.
     chunks: list[np.ndarray] = []
     for f in files:
-        reader = pa.ipc.open_stream(pa.memory_map(str(f), "r"))
-        _check_column(spec, reader.schema)
-        for batch in reader:
+        schema, batches = _record_batches(spec, f)
+        _check_column(spec, schema)
+        for batch in batches:
             ids = batch.column(spec.column).flatten()
             if ids.null_count:
                 raise ConfigError("data.column", spec.column, "holds null token ids")
@@ -309,25 +302,49 @@ def _open_hf_dataset(spec: TokenSpec) -> ChunkedTokens:
     return ChunkedTokens(chunks)
 
 
+def _record_batches(spec: TokenSpec, f: Path) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
+    """An Arrow IPC file's schema and batches, memory-mapped: the stream format (what
+    `save_to_disk` writes) or the random-access file format (Feather v2)."""
+    source = pa.memory_map(str(f), "r")
+    try:
+        reader = pa.ipc.open_stream(source)
+        return reader.schema, iter(reader)
+    except pa.ArrowInvalid:
+        pass
+    try:
+        whole = pa.ipc.open_file(source)
+    except pa.ArrowInvalid as e:
+        raise ConfigError("data.path", spec.path, f"{f.name} is not an Arrow IPC file "
+                          f"({e})") from None
+    return whole.schema, (whole.get_batch(i) for i in range(whole.num_record_batches))
+
+
+def _arrow_files(spec: TokenSpec) -> list[Path]:
+    """The dataset's Arrow files in order: `save_to_disk` numbers them
+    (`data-00000-of-00003.arrow`, ...), so their sorted names are its row order."""
+    return sorted(_dataset_dir(spec).glob("*.arrow"))
+
+
 def _dataset_dir(spec: TokenSpec) -> Path:
-    """The directory holding state.json: `path` itself, or the train split of a DatasetDict."""
+    """The directory of the Arrow files: `path` itself, or the train split of a DatasetDict
+    (`dataset_dict.json` naming its splits, one directory each)."""
     root = Path(spec.path)
     if not root.is_dir():
         raise ConfigError("data.path", spec.path, "no such directory (source=hf_dataset)")
-    if (root / "state.json").is_file():
-        return root
     if (root / "dataset_dict.json").is_file():
         try:
             splits = json.loads((root / "dataset_dict.json").read_text())["splits"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ConfigError("data.path", spec.path,
                               f"unreadable dataset_dict.json ({e})") from e
-        if "train" not in splits or not (root / "train" / "state.json").is_file():
+        if "train" not in splits or not any((root / "train").glob("*.arrow")):
             raise ConfigError("data.path", spec.path, f"a DatasetDict with splits "
                               f"{', '.join(map(str, splits))}; needs a 'train' split")
         return root / "train"
-    raise ConfigError("data.path", spec.path, "no state.json or dataset_dict.json; save it "
-                      "with datasets' save_to_disk")
+    if any(root.glob("*.arrow")):
+        return root
+    raise ConfigError("data.path", spec.path, "no .arrow files and no dataset_dict.json: save "
+                      "it with datasets' save_to_disk")
 
 
 def _check_column(spec: TokenSpec, schema: pa.Schema) -> None:
@@ -381,9 +398,7 @@ def _scanned(spec: TokenSpec, tokens: np.ndarray | ChunkedTokens) -> IdScan:
     if spec.source == "tokens":
         files = [Path(spec.path)]
     else:
-        root = _dataset_dir(spec)
-        files = [root / f["filename"]
-                 for f in json.loads((root / "state.json").read_text())["_data_files"]]
+        files = _arrow_files(spec)
     stats = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
     key = (spec.source, spec.token_dtype, spec.column, stats)
     if key not in _SCANS:
