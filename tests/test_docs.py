@@ -110,3 +110,13 @@ def test_every_exit_code_is_in_the_one_table():
     text = (ROOT / "docs" / "cli.md").read_text()
     table = [line for line in text.splitlines() if re.match(r"^\| \d+ \|", line)]
     assert sorted(int(line.split("|")[1]) for line in table) == sorted(EXIT_CODES)
+
+
+def test_every_option_of_every_config_group_is_documented():
+    """Each YAML option a user can pick (`group=option`, `+experiment=option`) is named, in
+    backticks, on a page of docs/."""
+    docs = "\n".join(p.read_text() for p in PAGES)
+    conf = ROOT / "launcher" / "conf"
+    missing = [f"{f.parent.name}={f.stem}" for f in sorted(conf.glob("*/*.yaml"))
+               if f"`{f.stem}`" not in docs]
+    assert not missing, missing
