@@ -36,13 +36,16 @@ sweep_result = {"exit_code": 0}
 def job_dirs(sweep_dir: Path) -> dict[int, Path]:
     """Each job's directory by job number, wherever `hydra.sweep.subdir` put it (the job
     number by default; `${hydra.job.override_dirname}` and the like too): a directory
-    holding Hydra's `.hydra/hydra.yaml`, whose `hydra.job.num` numbers it."""
+    holding Hydra's `.hydra/`, numbered by its `hydra.yaml`'s `hydra.job.num` (or, where
+    that is missing, by its own name when that is a number)."""
     found: dict[int, Path] = {}
     for root, dirs, _ in os.walk(sweep_dir):
         if ".hydra" in dirs and Path(root) != sweep_dir:
             hydra_yaml = Path(root) / ".hydra" / "hydra.yaml"
             num = (yaml.safe_load(hydra_yaml.read_text()) or {}).get("hydra", {}).get(
                 "job", {}).get("num") if hydra_yaml.is_file() else None
+            if not isinstance(num, int) and Path(root).name.isdigit():
+                num = int(Path(root).name)
             if isinstance(num, int):
                 found[num] = Path(root)
             dirs.clear()  # a job's own directory holds no other job

@@ -1,5 +1,5 @@
 """The code a queued SLURM job runs: a copy of pdecomp's packages and configs taken when the
-job is submitted (`<sweep dir>/.code`), put first on the job's PYTHONPATH.
+job is submitted (`<sweep dir>/.code/<time>`), put first on the job's PYTHONPATH.
 
 A job may wait in the queue for days while its checkout moves on (a pull, an edit, another
 branch); without the copy it would run whatever the checkout holds when it starts. The copy
@@ -28,8 +28,7 @@ def code_root() -> Path:
 
 
 def take(dest: Path) -> Path:
-    """Copy the running packages to `dest` (replacing an older copy of a resubmitted sweep)
-    with the commit they are from."""
+    """Copy the running packages to `dest` (new), with the commit they are from."""
     from pdecomp.resolve import provenance
 
     root, tmp = code_root(), dest.with_name(dest.name + ".partial")
@@ -38,7 +37,6 @@ def take(dest: Path) -> Path:
         shutil.copytree(root / package, tmp / package,
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     (tmp / COMMIT_FILE).write_text(provenance()["commit"] or "")
-    shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
     return dest
 

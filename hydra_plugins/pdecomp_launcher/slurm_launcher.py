@@ -120,7 +120,9 @@ class SlurmLauncher(BaseSubmititLauncher):
         params = dict(self.params)
         waits = bool(params.pop("wait")) or not str(
             self.config.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper")
-        code = snapshot.take(sweep_dir / ".code") if params.pop("snapshot") else None
+        # One copy per submission: jobs of an earlier one may still be running from theirs.
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+        code = snapshot.take(sweep_dir / ".code" / stamp) if params.pop("snapshot") else None
         if code is not None:
             params["setup"] = [snapshot.setup_line(code), *(params.get("setup") or [])]
         params["name"] = params.get("name") or job_name(self.config)
