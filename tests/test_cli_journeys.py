@@ -445,6 +445,16 @@ def test_cfg_job_prints_every_preset_with_every_cluster(preset: str, cluster: st
                       tmp_path, env, timeout=120))
     assert "model" in yaml.safe_load(proc.stdout)
     assert not list(tmp_path.iterdir())  # printing makes no directory
+    if preset != "tms_40-10":
+        return
+    # with every cluster: one package of it, resolved; the launcher's own settings
+    layers = ok(pdecomp([f"cluster={cluster}", f"+experiment={preset}", "--cfg", "job",
+                         "-p", "layers", "--resolve"], tmp_path, env, timeout=120))
+    assert "${" not in layers.stdout and yaml.safe_load(layers.stdout)["sites"]
+    launcher = ok(pdecomp([f"cluster={cluster}", f"+experiment={preset}", "--cfg", "hydra",
+                           "-p", "hydra.launcher"], tmp_path, env, timeout=120))
+    assert "_target_" in yaml.safe_load(launcher.stdout)
+    assert not list(tmp_path.iterdir())  # printing makes no directory
 
 
 @pytest.mark.parametrize(("args", "line"), [
