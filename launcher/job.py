@@ -83,6 +83,19 @@ class WandbLogger:
     def summary(self, key: str, value: Any) -> None:
         self.run.summary[key] = value
 
+    def artifact(self, kind: str, path: Path, by_reference: bool) -> None:
+        """`path` as an artifact of this run: by reference (its location, nothing copied or
+        read: a checkpoint of any size), or its files copied (a report)."""
+        import wandb
+
+        art = wandb.Artifact(f"{kind}-{self.run.id}", type=kind,
+                             metadata={"path": str(path.resolve())})
+        if by_reference:
+            art.add_reference(path.resolve().as_uri(), checksum=False)
+        else:
+            art.add_dir(str(path))
+        self.run.log_artifact(art)
+
     def finish(self, exit_code: int = 0) -> None:
         self.run.finish(exit_code=exit_code)
 
@@ -119,7 +132,15 @@ def log_report(run: Any, index: Path) -> None:
     wb = WandbLogger(run.config, run.run_dir, config, {})
     wb.run.log({f"analyze/{p.stem}": wandb.Image(str(p))
                 for p in sorted(index.parent.glob("*.png"))})
+    if run.config.logging.wandb.artifacts:
+        wb.artifact("report", index.parent, by_reference=False)
     wb.finish()
+
+
+def last_checkpoint(run_dir: Path) -> Path | None:
+    """The run's latest complete checkpoint directory (`checkpoints/<step>`), if any."""
+    steps = [p for p in (run_dir / "checkpoints").glob("*") if p.name.isdigit()]
+    return max(steps, key=lambda p: int(p.name)) if steps else None
 
 
 def _discard(run_dir: Path) -> None:
@@ -279,6 +300,8 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
     if wb:
         for k, v in summary.items():
             wb.summary(k, v)
+        if job.cfg.logging.wandb.artifacts and (last := last_checkpoint(job.run_dir)):
+            wb.artifact("checkpoint", last, by_reference=True)
         wb.finish()
     if job.rank0 and "gate" not in summary:
         print_findings(job.cfg, summary, job.run_dir)

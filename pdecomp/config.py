@@ -369,6 +369,9 @@ class WandbConfig:
     group: str = ""  # "": a sweep's jobs share the sweep's; a single run has none
     job_type: str = "decompose"
     tags: list[str] = field(default_factory=list)  # the preset's name is added
+    # The final checkpoint (by reference: its path, nothing copied) and the analysis
+    # report (its files) as artifacts of the run.
+    artifacts: bool = False
 
 
 @dataclass(frozen=True)

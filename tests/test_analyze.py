@@ -3,6 +3,7 @@ per-feature CI, bad input, the atomic write, and the report opened in a real bro
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -12,7 +13,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ok, pdecomp
+from conftest import leet, ok, pdecomp
 
 from pdecomp import analyze, metrics
 from pdecomp.lm import token_stream
@@ -46,7 +47,7 @@ def tms_report(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) ->
     # with wandb (offline, the env fixture's): the report's plots go there too
     ok(pdecomp(["+experiment=tms_5-2", "optim.steps=300",
                 *(q for q in QUIET if not q.startswith("logging.wandb.")),
-                f"hydra.run.dir={run_dir}"], tmp, env))
+                "logging.wandb.artifacts=true", f"hydra.run.dir={run_dir}"], tmp, env))
     ok(pdecomp(["analyze", str(run_dir)], tmp, env))
     return run_dir
 
@@ -231,6 +232,12 @@ def test_the_plots_are_logged_to_the_runs_wandb(tms_report: Path, lm_report: Pat
               (runs[-1] / "files" / "media" / "images" / "analyze").glob("*.png")}
     assert logged == {p.stem for p in (tms_report / "analysis").glob("*.png")} >= {
         "mean_ci", "frequency_norm", "feature_ci"}
+    # logging.wandb.artifacts: the report's files, copied, as an artifact of the run
+    records = [json.loads(line) for line in leet(["--json", str(runs[-1])]).splitlines()]
+    (art,) = [r["artifact"] for r in records if r.get("type") == "artifact"]
+    assert art["type"] == "report"
+    assert {c["path"] for c in art["manifest"]["contents"]} == {
+        p.name for p in (tms_report / "analysis").iterdir()} >= {"index.html", "mean_ci.png"}
     assert not (lm_report / "wandb").exists()
 
 

@@ -35,7 +35,7 @@ ALL_GROUPS = [
     "mesh=single",
     "memory.safety_fraction=0.8",
     "gate.target=local",
-    "logging.wandb.project=journeys", "logging.ckpt_every=20",
+    "logging.wandb.project=journeys", "logging.wandb.artifacts=true", "logging.ckpt_every=20",
 ]
 GATE_KEYS = ("peak_bytes", "argument_bytes", "temp_bytes", "cap_bytes", "fits")
 
@@ -425,6 +425,11 @@ def test_offline_wandb_run_reads_back(full_run) -> None:
     for step in (1, 10, 20, 30, 40):
         assert {"loss/total", "loss/imp_min", "loss/recon_full"} <= set(rows[step]), rows[step]
     assert rows[40]["loss/total"] == pytest.approx(summary["loss/total"])
+    # logging.wandb.artifacts: the final checkpoint, by reference (its files named, not read)
+    (art,) = [r["artifact"] for r in records if r.get("type") == "artifact"]
+    assert art["type"] == "checkpoint" and art["name"].startswith("checkpoint-")
+    refs = [c["ref"] for c in art["manifest"]["contents"]]
+    assert refs and all(r.startswith((run_dir / "checkpoints" / "40").as_uri()) for r in refs)
 
 
 PRESETS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "launcher" / "conf" /
