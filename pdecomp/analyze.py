@@ -23,6 +23,7 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -152,6 +153,7 @@ class Tokens:
         self.decode: Callable[[int], str] = str
         self.sep = " "  # between ids; decoded tokens carry their own spaces
         self.source = "token ids"
+        self._tok: Any = None
         path = Path(model_path) / "tokenizer.json" if model_path else None
         if path is None or not path.is_file():
             return
@@ -160,10 +162,26 @@ class Tokens:
         except ImportError:
             self.source = f"token ids ({path} needs the tokenizers package)"
             return
-        tok = Tokenizer.from_file(str(path))
+        tok = self._tok = Tokenizer.from_file(str(path))
         self.decode = lambda i: tok.decode([i])
         self.sep = ""
         self.source = f"decoded with {path}"
+
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        """The text of each id of a run of tokens, as the run decodes: a character whose
+        bytes span several tokens (byte-level BPE splits most non-ASCII ones) is shown
+        whole on its last token, the others empty, not as one U+FFFD each."""
+        if self._tok is None:
+            return [self.decode(int(i)) for i in ids]
+        out, shown = [], ""
+        for k in range(len(ids)):
+            text = self._tok.decode([int(i) for i in ids[:k + 1]])
+            if text.endswith("\ufffd") and k + 1 < len(ids):  # a character not complete yet
+                out.append("")
+                continue
+            out.append(text[len(shown):] if text.startswith(shown) else self.decode(ids[k]))
+            shown = text
+        return out
 
 
 def component_stats(run: LoadedRun, windows: int = 256, inputs: int = 8192, top_k: int = 5,
@@ -242,7 +260,7 @@ def _contexts(best: tuple[np.ndarray, np.ndarray, np.ndarray], ids: np.ndarray,
         for v, i, cis in zip(val[c], idx[c], along[c]):
             w, t = divmod(int(i), T)
             lo, hi = max(t - CONTEXT_BEFORE, 0), min(t + CONTEXT_AFTER + 1, T)
-            row.append(Context(float(v), w, t, [decoder.decode(int(j)) for j in ids[w, lo:hi]],
+            row.append(Context(float(v), w, t, decoder.pieces(ids[w, lo:hi]),
                                [float(x) for x in cis[lo:hi]], t - lo, decoder.sep))
         out.append(row)
     return out

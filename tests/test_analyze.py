@@ -222,6 +222,27 @@ def test_contexts_are_decoded_with_the_model_directorys_tokenizer(tmp_path: Path
     assert plain.decode(2) == "2" and plain.source == "token ids" and plain.sep == " "
 
 
+def test_a_character_split_across_byte_level_tokens_is_shown_whole(tmp_path: Path) -> None:
+    """Byte-level BPE splits most non-ASCII characters into several tokens, each of which
+    alone decodes to U+FFFD; a context's pieces show each character whole, on its last
+    token, and join to the text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["the cat sat"] * 10, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    text = "the cat 日本 café"
+    ids = tok.encode(text).ids
+    decoded = analyze.Tokens(str(tmp_path))
+    assert "\ufffd" in "".join(decoded.decode(i) for i in ids)  # one token at a time
+    pieces = decoded.pieces(ids)
+    assert len(pieces) == len(ids) and "".join(pieces) == text
+    assert "日" in pieces and "本" in pieces and "é" in pieces
+
+
 def test_the_plots_are_logged_to_the_runs_wandb(tms_report: Path, lm_report: Path) -> None:
     """With wandb on, analyze resumes the run's own wandb run (its id) and logs each plot
     of the report as an image; with wandb off it writes no wandb files."""
