@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-from pdecomp import metrics, plots, toys
+from pdecomp import component_tables, metrics, plots, toys
 from pdecomp.ci import ci_lower
 from pdecomp.commands import Parser, progress_bar
 from pdecomp.config import EVAL_SEED_OFFSET
@@ -400,6 +400,23 @@ def render(a: Analysis, out: Path) -> Path:
     return index
 
 
+def context_text(ctx: Context) -> str:
+    """A context as one line of text, the firing token in [[ ]]."""
+    before, at, after = ctx.tokens[:ctx.at], ctx.tokens[ctx.at], ctx.tokens[ctx.at + 1:]
+    return ctx.sep.join([*before, f"[[{at}]]", *after])
+
+
+def write_tables(a: Analysis, out: Path) -> list[Path]:
+    """Every site's components as `out/components/<site>.parquet` (pdecomp.component_tables)."""
+    tables = {}
+    for site, st in a.stats.items():
+        ctx = (a.contexts or {}).get(site)
+        top = [[(c.ci, context_text(c)) for c in row] for row in ctx] if ctx else None
+        tables[site] = component_tables.site_table(st.freq, st.mean_ci, st.max_ci, st.norm,
+                                                   st.positions, top)
+    return component_tables.write(tables, out / "components")
+
+
 def write_report(a: Analysis, run_dir: Path) -> Path:
     """Render into a temporary directory beside the final one, then swap it in: a failure
     leaves the previous report (or none) and no partial one."""
@@ -408,6 +425,7 @@ def write_report(a: Analysis, run_dir: Path) -> Path:
     try:
         tmp.chmod(0o755)  # mkdtemp's is private; the report is for reading
         render(a, tmp)
+        write_tables(a, tmp)
         if final.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{OUT_DIR}-old-", dir=run_dir))
             final.rename(old / OUT_DIR)

@@ -68,8 +68,8 @@ def table_rows(page: str, table_id: str) -> list[list[str]]:
 @pytest.mark.slow  # the llama_tiny run compiles for most of a minute
 def test_lm_report_matches_a_direct_recomputation(lm_report: Path, cache) -> None:
     out = lm_report / "analysis"
-    assert sorted(p.name for p in out.iterdir()) == ["frequency_norm.png", "index.html",
-                                                     "mean_ci.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["components", "frequency_norm.png",
+                                                     "index.html", "mean_ci.png"]
     page = (out / "index.html").read_text()
     rows = table_rows(page, analyze._site_id(SITE) + "-components")
     run = load_run(lm_report)
@@ -98,6 +98,25 @@ def test_lm_report_matches_a_direct_recomputation(lm_report: Path, cache) -> Non
     firing = int(np.argmax(freq))
     top = re.search(r"<div[^>]*>([0-9.]+): ", rows[firing][5])
     assert top and float(top.group(1)) == pytest.approx(mx[firing], abs=1e-3)
+
+    # The same, as the site's Parquet table: exact counts, the bound, the contexts.
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(out / "components" / f"{SITE}.parquet")
+    assert table.schema.metadata[b"site"] == SITE.encode()
+    t = table.to_pydict()
+    fired = (ci > thr).sum(0)
+    assert t["component"] == list(range(C)) and t["fired"] == fired.tolist()
+    assert set(t["positions"]) == {ci.shape[0]} and t["dead"] == (fired == 0).tolist()
+    np.testing.assert_allclose(t["mean_ci"], ci.mean(0), rtol=1e-4, atol=1e-7)
+    n = ci.shape[0]
+    bound = np.array(t["frequency_upper95"])
+    assert (bound >= np.array(t["frequency"])).all() and (bound <= 1).all()
+    assert np.allclose(bound[fired == 0], 1.959964**2 / (n + 1.959964**2))  # about 3.8 / n
+    assert t["top_ci"][firing][0] == pytest.approx(mx[firing], abs=1e-3)
+    assert t["top_ci"][firing] == sorted(t["top_ci"][firing], reverse=True)
+    assert all(c.count("[[") == 1 for c in t["top_context"][firing])
+    assert len(t["top_context"][firing]) == 3
     assert all(r[5] == "never fires" for r, f in zip(rows, freq) if f == 0)
 
 
@@ -257,8 +276,10 @@ def test_the_plots_are_logged_to_the_runs_wandb(tms_report: Path, lm_report: Pat
     records = [json.loads(line) for line in leet(["--json", str(runs[-1])]).splitlines()]
     (art,) = [r["artifact"] for r in records if r.get("type") == "artifact"]
     assert art["type"] == "report"
+    report = tms_report / "analysis"
     assert {c["path"] for c in art["manifest"]["contents"]} == {
-        p.name for p in (tms_report / "analysis").iterdir()} >= {"index.html", "mean_ci.png"}
+        str(p.relative_to(report)) for p in report.rglob("*") if p.is_file()} >= {
+        "index.html", "mean_ci.png", "components/linear1.parquet"}
     assert not (lm_report / "wandb").exists()
 
 
