@@ -319,6 +319,7 @@ def _main() -> None:
         return
     if sys.argv[1:2] == ["resume"]:  # the run's own command line, in its directory
         sys.argv[1:] = resume.command_line(sys.argv[2:])
+    cluster.split_cpu_devices()  # before jax starts, for a run or an analysis alike
     if sys.argv[1:2] == ["analyze"]:
         from launcher.job import log_report
         from pdecomp.analyze import main as analyze
@@ -326,7 +327,6 @@ def _main() -> None:
         sys.exit(analyze(sys.argv[2:], on_report=log_report))
     if sys.argv[1:2] and sys.argv[1] in SUBCOMMANDS:
         sys.exit(importlib.import_module(SUBCOMMANDS[sys.argv[1]]).main(sys.argv[2:]))
-    cluster.split_cpu_devices()
     hardware.no_gpu_autotuning_without_gpus()
     wait = _pop_flag("--wait")
     overrides = _overrides(sys.argv[1:])

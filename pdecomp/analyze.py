@@ -28,16 +28,28 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
-from pdecomp import component_tables, metrics, plots, toys
+from pdecomp import analysis_gate, component_tables, metrics, plots, toys
 from pdecomp.ci import ci_lower
 from pdecomp.commands import Parser, progress_bar
 from pdecomp.config import EVAL_SEED_OFFSET
-from pdecomp.exits import EXIT_BAD_CONFIG
+from pdecomp.exits import EXIT_BAD_CONFIG, EXIT_GATE_REFUSED
+from pdecomp.gating import GateRefused
 from pdecomp.kinds import kind_of, site_names_of
 from pdecomp.lm import token_stream
-from pdecomp.runs import LoadedRun, RunDirError, load_run
+from pdecomp.resolve import resolve
+from pdecomp.rundir import write_json
+from pdecomp.runs import (
+    LoadedRun,
+    RunDirError,
+    analysis_mesh,
+    checkpoints_of,
+    load_run,
+    read_config,
+)
 
 OUT_DIR = "analysis"
 ONE_HOT_VALUE = 0.75  # the single-feature input value of toys.one_hot_live (and the paper)
@@ -82,19 +94,36 @@ class Analysis:
     data: str  # what was analysed, in words
 
 
+@jax.jit
+def _norms(components: Any) -> dict[str, Array]:
+    """‖V[:, c]‖·‖U[c]‖ per site, on the devices the components live on (only [C] comes
+    back to the host, whatever their size)."""
+    return {s: jnp.linalg.norm(c.V.astype(jnp.float32), axis=0)
+            * jnp.linalg.norm(c.U.astype(jnp.float32), axis=1)
+            for s, c in components.sites.items()}
+
+
 def weight_norms(run: LoadedRun) -> dict[str, np.ndarray]:
-    return {s: np.linalg.norm(np.asarray(c.V, np.float64), axis=0)
-            * np.linalg.norm(np.asarray(c.U, np.float64), axis=1)
-            for s, c in run.components.sites.items()}
+    return {s: np.asarray(v, np.float64) for s, v in _norms(run.components).items()}
+
+
+def on_mesh(run: LoadedRun, x: Any) -> Array:
+    """A batch on every device of the run's mesh (whole on each)."""
+    return jax.device_put(x, NamedSharding(run.mesh, P()))
 
 
 def _batch_reduce(threshold: float, top_k: int) -> Callable:
+    """reduce_fn, compiled (target, components and CI function as arguments, not program
+    constants)."""
+    return jax.jit(reduce_fn(threshold, top_k))
+
+
+def reduce_fn(threshold: float, top_k: int) -> Callable:
     """Per site and batch: CI sum, count above threshold and max per component, and (top_k
     > 0) each component's top_k CIs with their flat position and the CI along their row.
     The top positions are ranked by the CI's logit before the clamp: where a component's
     CI saturates at 1 on many positions, the logit still tells them apart."""
 
-    @jax.jit  # target, components and CI function as arguments, not program constants
     def reduce(target, components, ci_fn, x: Array) -> dict[str, tuple[Array, ...]]:
         out = {}
         for s, logit in metrics.ci_logits(target, components, ci_fn, x).items():
@@ -207,7 +236,7 @@ def component_stats(run: LoadedRun, windows: int = 256, inputs: int = 8192, top_
     tokens: list[np.ndarray] = []
     positions, done = 0, 0
     for x in batches:
-        out = reduce(run.target, run.components, run.ci_fn, jnp.asarray(x))
+        out = reduce(run.target, run.components, run.ci_fn, on_mesh(run, x))
         rows = x.shape[0]
         per_row = x.shape[1] if lm else 1
         for s, (vsum, active, vmax, *top) in out.items():
@@ -269,8 +298,8 @@ def _contexts(best: tuple[np.ndarray, np.ndarray, np.ndarray], ids: np.ndarray,
 def feature_ci(run: LoadedRun) -> dict[str, np.ndarray]:
     """Toys: per site, CI [features, C] of each component when feature f alone is on (at
     ONE_HOT_VALUE), the paper's per-feature CI view."""
-    eye = jnp.eye(run.config.model.n_features, dtype=jnp.float32)
-    ci = metrics.causal_importances(run.target, run.components, run.ci_fn, ONE_HOT_VALUE * eye)
+    eye = on_mesh(run, ONE_HOT_VALUE * np.eye(run.config.model.n_features, dtype=np.float32))
+    ci = metrics.causal_importances(run.target, run.components, run.ci_fn, eye)
     return {s: np.asarray(v, np.float64) for s, v in ci.items()}
 
 
@@ -453,7 +482,42 @@ def parser() -> Parser:
                    help="toys: sampled inputs to analyse (default 8192)")
     p.add_argument("--batch-size", type=int, default=None,
                    help="windows or inputs per batch (default: the run's data.batch_size)")
+    p.add_argument("--devices", type=int, default=1,
+                   help="analyse on this many local devices, the components and CI "
+                        "function split along C over them (default 1)")
+    p.add_argument("--hbm-cap-gib", type=float, default=None,
+                   help="per-device memory cap of the analysis gate (default: the run's "
+                        "memory.hbm_cap_gib, else the devices' own)")
     return p
+
+
+def _bad_flag(args: Any) -> str | None:
+    """The first flag out of range, as its one line."""
+    for name in ("top_k", "windows", "inputs", "batch_size", "devices", "hbm_cap_gib"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "top_k" else 1e-9):
+            floor = ">= 0" if name == "top_k" else "> 0"
+            return f"pdecomp analyze: --{name.replace('_', '-')}={value} must be {floor}"
+    return None
+
+
+def gated_run(args: Any, log: Callable[[str], None]) -> tuple[LoadedRun, dict[str, Any]]:
+    """The analysis gate on the mesh asked for, then (if it fits) the run's components and
+    CI function read onto that mesh. RunDirError, or GateRefused with the report."""
+    run_dir = Path(args.run_dir).absolute()
+    plan = resolve(read_config(run_dir))
+    checkpoints_of(run_dir)  # before the gate's compile: a run with nothing to read
+    mesh = analysis_mesh(args.devices)
+    lm = kind_of(plan.model).tokens_per_example(plan.data) > 0
+    report = analysis_gate.gate(plan, mesh, reduce_fn(plan.loss.ci_threshold,
+                                                      args.top_k if lm else 0),
+                                args.batch_size or plan.data.batch_size, args.hbm_cap_gib)
+    if not report["fits"]:
+        raise GateRefused(report)
+    run = load_run(run_dir, log=log, mesh=mesh, whole_state=False)
+    log(f"analysis gate: {report['peak_bytes'] / 2**30:.3f} GiB per device of "
+        f"{report['cap_bytes'] / 2**30:.3f} GiB on {report['n_devices']} device(s)")
+    return run, report
 
 
 def main(argv: Sequence[str],
@@ -461,19 +525,18 @@ def main(argv: Sequence[str],
     """`pdecomp analyze`; `on_report(run, index)` once the report is written (the launcher
     logs its plots to the run's wandb there: this library never imports wandb)."""
     args = parser().parse_args(argv)
-    for name in ("top_k", "windows", "inputs", "batch_size"):
-        value = getattr(args, name)
-        if value is not None and value < (0 if name == "top_k" else 1):
-            print(f"pdecomp analyze: --{name.replace('_', '-')}={value} must be "
-                  f"{'>= 0' if name == 'top_k' else '> 0'}", file=sys.stderr)
-            return EXIT_BAD_CONFIG
-    run_dir = Path(args.run_dir)
+    if bad := _bad_flag(args):
+        print(bad, file=sys.stderr)
+        return EXIT_BAD_CONFIG
     try:
-        run = load_run(run_dir, log=lambda line: print(line, file=sys.stderr))
+        run, report = gated_run(args, lambda line: print(line, file=sys.stderr))
     except RunDirError as e:
         print(f"{e}; pdecomp analyze expects a run directory with config.yaml and "
               "checkpoints/", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    except GateRefused as e:
+        print(analysis_gate.refusal(e.report), file=sys.stderr)
+        return EXIT_GATE_REFUSED
     lm = reads_tokens(run)
     total = args.windows if lm else args.inputs
     update, stop = progress_bar(total, "held-out windows" if lm else "inputs")
@@ -482,6 +545,7 @@ def main(argv: Sequence[str],
     finally:
         stop()
     index = write_report(a, run.run_dir)
+    write_json(index.parent / "gate.json", report)
     if on_report:
         on_report(run, index)
     for s, v in a.stats.items():

@@ -19,6 +19,7 @@ import sys
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -100,6 +101,24 @@ class Checkpointer:
         finally:
             handler.close()
         return eqx.combine(restored, static)
+
+    def restore_fields(self, fields: dict[str, Any], step: int) -> dict[str, Any]:
+        """Only the state's top-level `fields` named, each restored into the structure and
+        shardings of its abstract tree (`{"components": ..., "ci_fn": ...}`): the rest of
+        the checkpoint (optimizer moments, the adversary) is never read."""
+        path = self.directory / str(step) / ocp.checkpoint_manager.DEFAULT_ITEM_NAME
+        handler = ocp.PyTreeCheckpointHandler()
+        try:
+            stored = handler.metadata(path)
+            stored = getattr(stored, "tree", stored)  # nested dicts and lists, as saved
+            item = {name: _as_stored(tree, stored[name]) for name, tree in fields.items()}
+            restored = handler.restore(path, args=ocp.args.PyTreeRestore(
+                item=item, partial_restore=True, restore_args=jax.tree.map(
+                    lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), item)))
+        finally:
+            handler.close()
+        return {name: jax.tree_util.tree_map_with_path(
+            lambda kp, _, n=name: _at(restored[n], kp), tree) for name, tree in fields.items()}
 
     def restore_latest(self, state_like: eqx.Module, log: Callable[[str], None]
                        ) -> tuple[eqx.Module | None, int | None]:
@@ -255,3 +274,45 @@ def _by_name(tree) -> dict[str, tuple[tuple[int, ...], str]]:
         name = ".".join(re.findall(r"\w+", jax.tree_util.keystr(path)))
         out[name] = (tuple(leaf.shape), str(leaf.dtype))
     return out
+
+
+def _key(k: Any) -> Any:
+    """A jax key path entry as orbax stores it: attribute and dict keys by name, sequence
+    entries by index."""
+    for attr in ("name", "key", "idx"):
+        if hasattr(k, attr):
+            return getattr(k, attr)
+    raise TypeError(f"unknown key path entry {k!r}")
+
+
+def _at(stored: Any, path: tuple) -> Any:
+    for k in path:
+        stored = stored[_key(k)]
+    return stored
+
+
+def _as_stored(tree: Any, stored: Any) -> Any:
+    """`tree`'s abstract arrays (with their shardings) laid out as the checkpoint stores
+    them (nested dicts and lists), each checked against the stored shape."""
+    def put(kp: tuple, x: jax.ShapeDtypeStruct) -> None:
+        node = out
+        for k in kp[:-1]:
+            node = node.setdefault(_key(k), {})
+        if tuple(_at(stored, kp).shape) != tuple(x.shape):
+            raise ValueError(f"{jax.tree_util.keystr(kp)}: stored {_at(stored, kp).shape}, "
+                             f"expected {x.shape}")
+        node[_key(kp[-1])] = x
+
+    out: dict = {}
+    for kp, x in jax.tree_util.tree_leaves_with_path(tree):
+        put(kp, x)
+    return _lists(out, stored)
+
+
+def _lists(node: Any, stored: Any) -> Any:
+    """Where the checkpoint stores a list, the same entries as a list."""
+    if not isinstance(node, dict):
+        return node
+    if isinstance(stored, (list, tuple)):
+        return [_lists(node[i], stored[i]) for i in range(len(stored))]
+    return {k: _lists(v, stored[k]) for k, v in node.items()}

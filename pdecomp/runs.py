@@ -41,9 +41,9 @@ class LoadedRun:
     target: Any  # the frozen target (toy_models.TMS, toy_models.ResidMLP, llama.Llama)
     components: Components  # every site's, tied followers included (V=Uᵀ of the leader)
     ci_fn: Any  # the CI function: ci_fn(site inputs, components) -> CI logits per site
-    state: TrainState  # the whole checkpointed state (optimizer moments, adversary)
+    state: TrainState | None  # the whole checkpointed state (None: not read)
     step: int  # the checkpoint's step
-    mesh: Mesh  # the one-device mesh everything is placed on
+    mesh: Mesh  # the mesh everything is placed on
     history: list[dict[str, float]]  # logged metrics ([] before the first log)
     summary: dict[str, Any] | None  # final metrics; None while the run is unfinished
     gate: dict[str, Any] | None  # the memory gate's report
@@ -78,31 +78,62 @@ def _model_of_its_kind(data: Any) -> Any:
     return {**data, "model": {k: v for k, v in model.items() if k in known}}
 
 
-def load_run(run_dir: str | Path, log: Callable[[str], None] = print) -> LoadedRun:
-    """The run in `run_dir` at its latest checkpoint. Raises RunDirError for a directory
-    that is not a run or has no checkpoint. `log` hears about a toy target being trained (when the cache has none)."""
-    run_dir = Path(run_dir).absolute()
-    run = resolve(read_config(run_dir))
+def analysis_mesh(devices: int) -> Mesh:
+    """`devices` local devices as a mesh whose model axis spans them: each site's components
+    and CI function split along C (mesh.rules' `comp: model`), the batch whole on each."""
+    found = jax.devices()
+    if not 1 <= devices <= len(found):
+        raise RunDirError(f"{devices} devices asked for; this process has {len(found)} "
+                          "(PDECOMP_CPU_DEVICES=N splits a CPU into N)")
+    return Mesh(np.array(found[:devices]).reshape(1, devices), (sharding.AXIS, sharding.MODEL))
+
+
+def checkpoints_of(run_dir: Path) -> Path:
+    """The run's checkpoint directory, holding at least one checkpoint; RunDirError if not."""
     ckpt_dir = run_dir / "checkpoints"
     if not ckpt_dir.is_dir():  # not made here: opening a Checkpointer would create it
         raise RunDirError(f"{run_dir}: no checkpoints/ (a gate-only run, or one that "
                           "stopped before its first checkpoint)")
-    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), (sharding.AXIS, sharding.MODEL))
+    ckpt = Checkpointer(ckpt_dir)
+    try:
+        if ckpt.latest_step() is None:
+            raise RunDirError(f"{run_dir}: no checkpoint in {ckpt_dir}")
+    finally:
+        ckpt.close()
+    return ckpt_dir
+
+
+def load_run(run_dir: str | Path, log: Callable[[str], None] = print,
+             mesh: Mesh | None = None, whole_state: bool = True) -> LoadedRun:
+    """The run in `run_dir` at its latest checkpoint, on `mesh` (default: one device) in
+    the shardings its `mesh.rules` give there. Without `whole_state`, only the components
+    and the CI function are read (`state` is None): what an analysis needs, a third of what
+    training keeps. Raises RunDirError for a directory that is not a run or has no
+    checkpoint. `log` hears about a toy target being trained (when the cache has none)."""
+    run_dir = Path(run_dir).absolute()
+    run = resolve(read_config(run_dir))
+    ckpt_dir = checkpoints_of(run_dir)
+    mesh = mesh or analysis_mesh(1)
     layout = sharding.Layout(mesh, dict(run.placement.mesh.rules))
     target_abs, state_abs = abstract_run(run, jax.random.PRNGKey(run.seed))
     target_abs, state_abs = sharding.place(target_abs, layout), sharding.place(state_abs, layout)
     ckpt = Checkpointer(ckpt_dir)
     try:
         step = ckpt.latest_step()
-        if step is None:
-            raise RunDirError(f"{run_dir}: no checkpoint in {ckpt_dir}")
-        state = ckpt.restore(state_abs, step)
+        assert step is not None  # checkpoints_of found one
+        if whole_state:
+            state = ckpt.restore(state_abs, step)
+            components, ci_fn = state.components, state.ci_fn
+        else:
+            state, parts = None, ckpt.restore_fields(
+                {"components": state_abs.components, "ci_fn": state_abs.ci_fn}, step)
+            components, ci_fn = parts["components"], parts["ci_fn"]
     finally:
         ckpt.close()
     target, _ = load_target(run, target_abs, log)
     return LoadedRun(run_dir=run_dir, run=run, target=target,
-                     components=with_tied(state.components, dict(run.tied)),
-                     ci_fn=state.ci_fn, state=state, step=step, mesh=mesh,
+                     components=with_tied(components, dict(run.tied)), ci_fn=ci_fn,
+                     state=state, step=step, mesh=mesh,
                      history=read_json(run_dir / "history.json") or [],
                      summary=read_json(run_dir / "summary.json"),
                      gate=read_json(run_dir / "gate.json"))

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -69,7 +70,7 @@ def table_rows(page: str, table_id: str) -> list[list[str]]:
 def test_lm_report_matches_a_direct_recomputation(lm_report: Path, cache) -> None:
     out = lm_report / "analysis"
     assert sorted(p.name for p in out.iterdir()) == ["components", "frequency_norm.png",
-                                                     "index.html", "mean_ci.png"]
+                                                     "gate.json", "index.html", "mean_ci.png"]
     page = (out / "index.html").read_text()
     rows = table_rows(page, analyze._site_id(SITE) + "-components")
     run = load_run(lm_report)
@@ -309,3 +310,47 @@ def test_component_and_feature_axes_tick_at_integers(monkeypatch, tmp_path: Path
     plots.plot_feature_ci({"s": np.eye(9, 20)}, tmp_path / "f.png", 0.1, 0.75)
     ticks = [*figs[0].axes[0].get_xticks(), *figs[1].axes[0].get_yticks()]
     assert ticks and all(float(t).is_integer() for t in ticks), ticks
+
+
+@pytest.mark.slow
+def test_a_run_too_large_for_one_device_is_analysed_on_a_mesh(tmp_path: Path,
+                                                              env: dict[str, str]) -> None:
+    """TMS with C = 512: the analysis step needs about 0.5 GiB on one device, refused under
+    a 0.25 GiB cap before anything is read; on 8 CPU devices the components and CI function
+    split along C and it fits, with the tables a single device computes. Only the
+    components and the CI function are read from the checkpoint."""
+    import pyarrow.parquet as pq
+
+    run_dir = tmp_path / "run"
+    ok(pdecomp(["layers.C=512", "optim.steps=10", "data.eval_batches=1", *QUIET,
+                f"hydra.run.dir={run_dir}"], tmp_path, env))
+    args = ["analyze", str(run_dir), "--inputs", "4096", "--batch-size", "4096"]
+    eight = {**env, "PDECOMP_CPU_DEVICES": "8"}
+    refused = pdecomp([*args, "--devices", "1", "--hbm-cap-gib", "0.25"], tmp_path, eight)
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 3 and len(lines) == 1, refused.stderr[-2000:]
+    assert lines[0].startswith("analysis refused") and "on 1 device(s)" in lines[0]
+    assert not (run_dir / "analysis").exists()
+
+    ok(pdecomp([*args, "--devices", "8", "--hbm-cap-gib", "0.25"], tmp_path, eight))
+    gate = json.loads((run_dir / "analysis" / "gate.json").read_text())
+    assert gate["fits"] and gate["n_devices"] == 8 and gate["peak_bytes"] < 0.25 * 2**30
+    on_mesh = {s: pq.read_table(run_dir / "analysis" / "components" / f"{s}.parquet")
+               for s in ("linear1", "linear2")}
+    one = shutil.copytree(run_dir, tmp_path / "one", ignore=shutil.ignore_patterns("analysis"))
+    ok(pdecomp(["analyze", str(one), "--inputs", "4096", "--batch-size", "4096"], tmp_path, env))
+    assert json.loads((one / "analysis" / "gate.json").read_text())["peak_bytes"] > 0.25 * 2**30
+    for s, table in on_mesh.items():
+        want = pq.read_table(one / "analysis" / "components" / f"{s}.parquet").to_pydict()
+        got = table.to_pydict()
+        assert got["fired"] == want["fired"], s
+        np.testing.assert_allclose(got["mean_ci"], want["mean_ci"], rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(got["norm"], want["norm"], rtol=1e-5)
+
+    whole, parts = load_run(run_dir), load_run(run_dir, whole_state=False)
+    assert parts.state is None and whole.state is not None
+    for (k, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path((whole.components,
+                                                                     whole.ci_fn)),
+                              jax.tree_util.tree_leaves_with_path((parts.components,
+                                                                     parts.ci_fn))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(k))

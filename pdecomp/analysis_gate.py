@@ -1,0 +1,62 @@
+"""The memory gate of an analysis: its step (`analyze.reduce_fn`: CI of a batch, reduced
+per component) compiled on abstract inputs, on the mesh it will run on, before anything is
+read; its per-device peak against the cap, as training's gate reports it.
+
+On a mesh of n devices the components and the CI function are split along C (`comp`
+onto the model axis), and so are the step's [positions, C] temporaries: a run whose
+components do not fit one device is read on several.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pdecomp import gate as gate_lib
+from pdecomp import hardware, sharding
+from pdecomp.components import with_tied
+from pdecomp.resolve import Run
+from pdecomp.shapes import abstract_run
+
+
+def analysis_cap(run: Run, mesh: Mesh, cap_gib: float | None) -> tuple[int, str]:
+    """The per-device cap: `cap_gib`, else the run's `memory.hbm_cap_gib`, else what the
+    devices analysed on hold (gate.device_cap_bytes)."""
+    mem = run.memory
+    gib = mem.hbm_cap_gib if cap_gib is None else cap_gib
+    cap, source = gate_lib.device_cap_bytes(mesh.devices.flat[0], gib, mem.safety_fraction,
+                                            hardware.usable_memory(mem.safety_fraction))
+    return cap, ("--hbm-cap-gib" if cap_gib is not None else source)
+
+
+def gate(run: Run, mesh: Mesh, reduce_fn: Any, batch_size: int,
+         cap_gib: float | None) -> dict[str, Any]:
+    """The analysis step's gate report on `mesh` (fits: its peak is under the cap)."""
+    layout = sharding.Layout(mesh, dict(run.placement.mesh.rules))
+    target_abs, state_abs = abstract_run(run, jax.random.PRNGKey(run.seed))
+    target_abs, state_abs = sharding.place(target_abs, layout), sharding.place(state_abs, layout)
+    batch = run.kind.batch_abstract(run.model, run.data, batch_size, NamedSharding(mesh, P()))
+    tied = dict(run.tied)
+
+    def step(target: Any, components: Any, ci_fn: Any, x: Any) -> Any:
+        return reduce_fn(target, with_tied(components, tied), ci_fn, x)
+
+    cap, source = analysis_cap(run, mesh, cap_gib)
+    device = mesh.devices.flat[0]
+    _, report = gate_lib.compile_and_report(
+        step, (target_abs, state_abs.components, state_abs.ci_fn, batch), cap_bytes=cap,
+        cap_source=source, target=f"analysis on {mesh.size} {device.platform} device(s)",
+        mesh=dict(mesh.shape))
+    return {**report, "batch_size": batch_size}
+
+
+def refusal(report: dict[str, Any]) -> str:
+    """The one line a refused analysis ends with."""
+    gib = 2 ** 30
+    return (f"analysis refused: predicted peak {report['peak_bytes'] / gib:.3f} GiB > cap "
+            f"{report['cap_bytes'] / gib:.3f} GiB per device ({report['cap_source']}) on "
+            f"{report['n_devices']} device(s); more devices (--devices) split the components "
+            "along C, a smaller --batch-size shrinks the step's temporaries")
