@@ -38,9 +38,9 @@ from pdecomp.commands import Parser, progress_bar
 from pdecomp.config import EVAL_SEED_OFFSET
 from pdecomp.exits import EXIT_BAD_CONFIG, EXIT_GATE_REFUSED
 from pdecomp.gating import GateRefused
-from pdecomp.kinds import kind_of, site_names_of
+from pdecomp.kinds import site_names_of
 from pdecomp.lm import token_stream
-from pdecomp.resolve import resolve
+from pdecomp.resolve import Run, resolve
 from pdecomp.rundir import write_json
 from pdecomp.runs import (
     LoadedRun,
@@ -143,10 +143,10 @@ def reduce_fn(threshold: float, top_k: int) -> Callable:
     return reduce
 
 
-def reads_tokens(run: LoadedRun) -> bool:
+def reads_tokens(run: Run) -> bool:
     """A language model's run: analysed on held-out token windows, with top-k contexts; a
     toy's on sampled inputs, with each feature's CI."""
-    return kind_of(run.config.model).tokens_per_example(run.config.data) > 0
+    return run.kind.tokens_per_example(run.data) > 0
 
 
 def _lm_windows(run: LoadedRun, windows: int, batch_size: int) -> Iterator[np.ndarray]:
@@ -222,7 +222,7 @@ def component_stats(run: LoadedRun, windows: int = 256, inputs: int = 8192, top_
     streamed over `windows` held-out windows (Llama) or `inputs` sampled inputs (toys) in
     batches; `progress(done, total)` after each batch."""
     cfg, thr = run.config, run.config.loss.ci_threshold
-    lm = reads_tokens(run)
+    lm = reads_tokens(run.run)
     B = batch_size or cfg.data.batch_size
     total = windows if lm else inputs
     if total <= 0:
@@ -307,7 +307,7 @@ def analyse(run: LoadedRun, windows: int = 256, inputs: int = 8192, top_k: int =
             batch_size: int | None = None,
             progress: Callable[[int, int], None] | None = None) -> Analysis:
     stats, contexts, data = component_stats(run, windows, inputs, top_k, batch_size, progress)
-    fci = None if reads_tokens(run) else feature_ci(run)
+    fci = None if reads_tokens(run.run) else feature_ci(run)
     return Analysis(run, stats, contexts, fci, data)
 
 
@@ -508,7 +508,7 @@ def gated_run(args: Any, log: Callable[[str], None]) -> tuple[LoadedRun, dict[st
     plan = resolve(read_config(run_dir))
     checkpoints_of(run_dir)  # before the gate's compile: a run with nothing to read
     mesh = analysis_mesh(args.devices)
-    lm = kind_of(plan.model).tokens_per_example(plan.data) > 0
+    lm = reads_tokens(plan)
     report = analysis_gate.gate(plan, mesh, reduce_fn(plan.loss.ci_threshold,
                                                       args.top_k if lm else 0),
                                 args.batch_size or plan.data.batch_size, args.hbm_cap_gib)
@@ -537,7 +537,7 @@ def main(argv: Sequence[str],
     except GateRefused as e:
         print(analysis_gate.refusal(e.report), file=sys.stderr)
         return EXIT_GATE_REFUSED
-    lm = reads_tokens(run)
+    lm = reads_tokens(run.run)
     total = args.windows if lm else args.inputs
     update, stop = progress_bar(total, "held-out windows" if lm else "inputs")
     try:
