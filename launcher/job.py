@@ -139,8 +139,11 @@ def log_report(run: Any, index: Path) -> None:
 
 def last_checkpoint(run_dir: Path) -> Path | None:
     """The run's latest complete checkpoint directory (`checkpoints/<step>`), if any."""
-    steps = [p for p in (run_dir / "checkpoints").glob("*") if p.name.isdigit()]
-    return max(steps, key=lambda p: int(p.name)) if steps else None
+    from pdecomp.checkpoint import complete_steps
+
+    ckpt_dir = run_dir / "checkpoints"
+    steps = complete_steps(ckpt_dir) if ckpt_dir.is_dir() else []
+    return ckpt_dir / str(steps[0]) if steps else None
 
 
 def _discard(run_dir: Path) -> None:

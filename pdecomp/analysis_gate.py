@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pdecomp import gate as gate_lib
-from pdecomp import hardware, sharding
+from pdecomp import hardware
 from pdecomp.components import with_tied
 from pdecomp.resolve import Run
-from pdecomp.shapes import abstract_run
+from pdecomp.runs import placed_abstract
+from pdecomp.units import fmt_bytes
 
 
 def analysis_cap(run: Run, mesh: Mesh, cap_gib: float | None) -> tuple[int, str]:
@@ -35,9 +35,7 @@ def analysis_cap(run: Run, mesh: Mesh, cap_gib: float | None) -> tuple[int, str]
 def gate(run: Run, mesh: Mesh, reduce_fn: Any, batch_size: int,
          cap_gib: float | None) -> dict[str, Any]:
     """The analysis step's gate report on `mesh` (fits: its peak is under the cap)."""
-    layout = sharding.Layout(mesh, dict(run.placement.mesh.rules))
-    target_abs, state_abs = abstract_run(run, jax.random.PRNGKey(run.seed))
-    target_abs, state_abs = sharding.place(target_abs, layout), sharding.place(state_abs, layout)
+    target_abs, state_abs = placed_abstract(run, mesh)
     batch = run.kind.batch_abstract(run.model, run.data, batch_size, NamedSharding(mesh, P()))
     tied = dict(run.tied)
 
@@ -55,8 +53,7 @@ def gate(run: Run, mesh: Mesh, reduce_fn: Any, batch_size: int,
 
 def refusal(report: dict[str, Any]) -> str:
     """The one line a refused analysis ends with."""
-    gib = 2 ** 30
-    return (f"analysis refused: predicted peak {report['peak_bytes'] / gib:.3f} GiB > cap "
-            f"{report['cap_bytes'] / gib:.3f} GiB per device ({report['cap_source']}) on "
+    return (f"analysis refused: predicted peak {fmt_bytes(report['peak_bytes'])} > cap "
+            f"{fmt_bytes(report['cap_bytes'])} per device ({report['cap_source']}) on "
             f"{report['n_devices']} device(s); more devices (--devices) split the components "
             "along C, a smaller --batch-size shrinks the step's temporaries")

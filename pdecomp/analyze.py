@@ -50,6 +50,7 @@ from pdecomp.runs import (
     load_run,
     read_config,
 )
+from pdecomp.units import fmt_bytes
 
 OUT_DIR = "analysis"
 ONE_HOT_VALUE = 0.75  # the single-feature input value of toys.one_hot_live (and the paper)
@@ -446,15 +447,18 @@ def write_tables(a: Analysis, out: Path) -> list[Path]:
     return component_tables.write(tables, out / "components")
 
 
-def write_report(a: Analysis, run_dir: Path) -> Path:
-    """Render into a temporary directory beside the final one, then swap it in: a failure
-    leaves the previous report (or none) and no partial one."""
+def write_report(a: Analysis, run_dir: Path, gate: dict[str, Any] | None = None) -> Path:
+    """Render (with the analysis gate's report, `gate.json`) into a temporary directory
+    beside the final one, then swap it in: a failure leaves the previous report (or none)
+    and no partial one."""
     final = run_dir / OUT_DIR
     tmp = Path(tempfile.mkdtemp(prefix=f".{OUT_DIR}-", dir=run_dir))
     try:
         tmp.chmod(0o755)  # mkdtemp's is private; the report is for reading
         render(a, tmp)
         write_tables(a, tmp)
+        if gate is not None:
+            write_json(tmp / "gate.json", gate)
         if final.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{OUT_DIR}-old-", dir=run_dir))
             final.rename(old / OUT_DIR)
@@ -515,8 +519,8 @@ def gated_run(args: Any, log: Callable[[str], None]) -> tuple[LoadedRun, dict[st
     if not report["fits"]:
         raise GateRefused(report)
     run = load_run(run_dir, log=log, mesh=mesh, whole_state=False)
-    log(f"analysis gate: {report['peak_bytes'] / 2**30:.3f} GiB per device of "
-        f"{report['cap_bytes'] / 2**30:.3f} GiB on {report['n_devices']} device(s)")
+    log(f"analysis gate: {fmt_bytes(report['peak_bytes'])} per device of "
+        f"{fmt_bytes(report['cap_bytes'])} on {report['n_devices']} device(s)")
     return run, report
 
 
@@ -544,8 +548,7 @@ def main(argv: Sequence[str],
         a = analyse(run, args.windows, args.inputs, args.top_k, args.batch_size, update)
     finally:
         stop()
-    index = write_report(a, run.run_dir)
-    write_json(index.parent / "gate.json", report)
+    index = write_report(a, run.run_dir, report)
     if on_report:
         on_report(run, index)
     for s, v in a.stats.items():

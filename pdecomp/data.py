@@ -227,14 +227,21 @@ def write_tokens(path: str | Path, ids: np.ndarray | list[int], token_dtype: str
     """Write a flat token file (`token_dtype`: one of TOKEN_DTYPES) and its sidecar. Ids
     that the dtype cannot hold are refused rather than wrapped."""
     path = Path(path)
+    arr = as_token_dtype(ids, token_dtype)
+    arr.tofile(path)
+    write_sidecar(path, token_dtype, int(arr.size))
+    return path
+
+
+def as_token_dtype(ids: np.ndarray | list[int], token_dtype: str) -> np.ndarray:
+    """`ids` as a token file stores them (little-endian `token_dtype`); ids the dtype cannot
+    hold are refused (ValueError) rather than wrapped."""
     dtype = np.dtype(token_dtype).newbyteorder("<")
     arr = np.asarray(ids)
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) > np.iinfo(dtype).max):
         raise ValueError(f"ids in [{int(arr.min())}, {int(arr.max())}] do not fit "
                          f"{token_dtype}")
-    arr.astype(dtype).tofile(path)
-    write_sidecar(path, token_dtype, int(arr.size))
-    return path
+    return arr.astype(dtype)
 
 
 def write_sidecar(path: Path, token_dtype: str, count: int,

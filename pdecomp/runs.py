@@ -20,7 +20,7 @@ import yaml
 from jax.sharding import Mesh
 
 from pdecomp import sharding
-from pdecomp.checkpoint import Checkpointer
+from pdecomp.checkpoint import Checkpointer, complete_steps
 from pdecomp.components import Components, with_tied
 from pdecomp.config import RunConfig
 from pdecomp.kinds import kind_of, run_config
@@ -94,13 +94,17 @@ def checkpoints_of(run_dir: Path) -> Path:
     if not ckpt_dir.is_dir():  # not made here: opening a Checkpointer would create it
         raise RunDirError(f"{run_dir}: no checkpoints/ (a gate-only run, or one that "
                           "stopped before its first checkpoint)")
-    ckpt = Checkpointer(ckpt_dir)
-    try:
-        if ckpt.latest_step() is None:
-            raise RunDirError(f"{run_dir}: no checkpoint in {ckpt_dir}")
-    finally:
-        ckpt.close()
+    if not complete_steps(ckpt_dir):
+        raise RunDirError(f"{run_dir}: no checkpoint in {ckpt_dir}")
     return ckpt_dir
+
+
+def placed_abstract(run: Run, mesh: Mesh) -> tuple[Any, TrainState]:
+    """The run's target and state as shapes, in the shardings its `mesh.rules` give on
+    `mesh`: what a reader restores into, or compiles for."""
+    layout = sharding.Layout(mesh, dict(run.placement.mesh.rules))
+    target_abs, state_abs = abstract_run(run, jax.random.PRNGKey(run.seed))
+    return sharding.place(target_abs, layout), sharding.place(state_abs, layout)
 
 
 def load_run(run_dir: str | Path, log: Callable[[str], None] = print,
@@ -114,9 +118,7 @@ def load_run(run_dir: str | Path, log: Callable[[str], None] = print,
     run = resolve(read_config(run_dir))
     ckpt_dir = checkpoints_of(run_dir)
     mesh = mesh or analysis_mesh(1)
-    layout = sharding.Layout(mesh, dict(run.placement.mesh.rules))
-    target_abs, state_abs = abstract_run(run, jax.random.PRNGKey(run.seed))
-    target_abs, state_abs = sharding.place(target_abs, layout), sharding.place(state_abs, layout)
+    target_abs, state_abs = placed_abstract(run, mesh)
     ckpt = Checkpointer(ckpt_dir)
     try:
         step = ckpt.latest_step()

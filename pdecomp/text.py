@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from pdecomp import corpus
-from pdecomp.data import sidecar_of, write_sidecar
+from pdecomp.data import as_token_dtype, sidecar_of, write_sidecar
 
 BATCH = 64  # documents encoded per call (the tokenizers package threads each call)
 TokenizeError = corpus.CorpusError
@@ -75,7 +75,10 @@ def write(out: Path, batches: Iterable[tuple[int, np.ndarray]], vocab: int,
     try:
         with tmp.open("wb") as f:
             for k, ids in batches:
-                ids.astype(np.dtype(dtype).newbyteorder("<")).tofile(f)
+                try:
+                    as_token_dtype(ids, dtype).tofile(f)
+                except ValueError as e:  # the tokenizer's added ids beyond config.json's vocab
+                    raise TokenizeError(f"-o {out}: {e} (vocab_size {vocab})") from None
                 n_docs, n_ids = n_docs + k, n_ids + len(ids)
                 if progress:
                     progress(n_docs)

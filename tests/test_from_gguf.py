@@ -414,3 +414,12 @@ def test_llama3_scaling_is_recovered_from_llama_cpps_divisors(factor, low, high,
     found = [c for c in from_gguf._llama3_candidates(divisors, inv_freq, 8192)
              if np.allclose(from_gguf.llama3_divisors(inv_freq, c), divisors, rtol=1e-4)]
     assert found and found[0]["factor"] == factor
+
+
+def test_tokenize_refuses_ids_its_dtype_cannot_hold_and_leaves_nothing(tmp_path):
+    """A tokenizer whose added ids lie beyond config.json's vocab_size (uint16 chosen for
+    it): the id is refused, not wrapped, and no partial file stays behind."""
+    batches = [(1, np.array([5, 6, 1])), (1, np.array([70_000, 1]))]
+    with pytest.raises(text.TokenizeError, match=r"ids in \[1, 70000\] do not fit uint16"):
+        text.write(tmp_path / "t.bin", batches, vocab=1_000, record={})
+    assert list(tmp_path.iterdir()) == []
