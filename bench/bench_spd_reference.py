@@ -36,8 +36,9 @@ CI_FNS = {"mlp": 16, "shared_mlp": 550, "vector_mlp": 8}
 SITES = [f"model.layers.28.mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj")]
 
 
-def config(ci_fn: str, steps: int, model: str, data_dir: Path, bf16: bool) -> dict:
-    """The reference's config for the job (its LM task reading a local parquet dataset)."""
+def config(ci_fn: str, steps: int, model: str, data_dir: Path, bf16: bool,
+           batch: int = 8) -> dict:
+    """The reference's config for the job (its LM task reading a local JSON-lines dataset)."""
     return {
         "autocast_bf16": bf16, "wandb_project": None, "seed": 0, "n_mask_samples": 1,
         "ci_fn_type": ci_fn, "ci_fn_hidden_dims": [CI_FNS[ci_fn]], "sampling": "continuous",
@@ -50,12 +51,12 @@ def config(ci_fn: str, steps: int, model: str, data_dir: Path, bf16: bool) -> di
              "p_anneal_end_frac": 1.0, "eps": 1e-12},
             {"classname": "StochasticReconLoss", "coeff": 1.0},
             {"classname": "FaithfulnessLoss", "coeff": 1e5}],
-        "output_loss_type": "kl", "steps": steps, "batch_size": 8,
+        "output_loss_type": "kl", "steps": steps, "batch_size": batch,
         "faithfulness_warmup_steps": 0, "faithfulness_warmup_lr": 1e-3,
         "faithfulness_warmup_weight_decay": 0.0,
         "lr_schedule": {"start_val": 1e-3, "fn_type": "cosine", "warmup_pct": 0.0,
                         "final_val_frac": 0.1},
-        "train_log_freq": 100000, "eval_freq": 100000, "eval_batch_size": 8,
+        "train_log_freq": 100000, "eval_freq": 100000, "eval_batch_size": batch,
         "slow_eval_freq": 100000, "n_eval_steps": 1, "slow_eval_on_first_step": False,
         "save_freq": None, "eval_metric_configs": [], "ci_alive_threshold": 0.0,
         "pretrained_model_class": "transformers.LlamaForCausalLM",

@@ -201,11 +201,14 @@ class PGDConfig:
 @dataclass(frozen=True)
 class EvalPGDConfig:
     """Fresh (non-persistent) PGD in the final evaluation (LMs): sources drawn anew for
-    every batch, one per position and component, then `n_steps` sign ascents of
-    `step_size` on the KL, each followed by a clamp to [0, 1]. 0 steps: off."""
+    every batch, one per component and `scope` (per_example: every example and position;
+    batch_shared: every position, shared by the batch's examples, as the published VPD
+    evaluation draws them), then `n_steps` sign ascents of `step_size` on the KL, each
+    followed by a clamp to [0, 1]. 0 steps: off."""
 
     n_steps: int = 20
     step_size: float = 0.1
+    scope: str = "per_example"  # a name in pdecomp.masks.PGD_SCOPES
 
 
 @dataclass(frozen=True)

@@ -40,14 +40,7 @@ def evaluate(run: Run, target: Any, state: Learned | TrainState,
     kind's own (the ground-truth match of a toy, CE/KL per mask type of an LM). Numbers
     only, and what was evaluated."""
     kind = run.kind
-    eval_key = jax.random.PRNGKey(run.seed + EVAL_SEED_OFFSET)
-    # In training's microbatches: a whole batch at once would need memory the step, which
-    # takes it in optim.microbatches pieces, never did.
-    n = run.batch.microbatches
-    micro = dc.replace(run.data, batch_size=run.batch.microbatch)
-    sample = kind.batch_sampler(run.model, micro, run.seed, batch_sharding, eval_key,
-                                held_out=True)
-    batches = [sample(i) for i in range(run.data.eval_batches * n)]
+    eval_key, batches = held_out_batches(run, batch_sharding)
     replicated = NamedSharding(batch_sharding.mesh, P())
     components = with_tied(state.components, dict(run.tied))
     target, components, ci_fn = kind.for_evaluation((target, components, state.ci_fn),
@@ -61,6 +54,17 @@ def evaluate(run: Run, target: Any, state: Learned | TrainState,
     summary.update(kind.evaluate(run.model, run.evaluation, target, components, ci_fn,
                                  batches, eval_key, ci))
     return summary, Evaluated(target, components, ci)
+
+
+def held_out_batches(run: Run, batch_sharding: NamedSharding) -> tuple[Any, list[Any]]:
+    """The evaluation's key and its batches, fresh and held out (`data.eval_batches` of them,
+    each in training's microbatches: a whole batch at once would need memory the step, which
+    takes it in optim.microbatches pieces, never did)."""
+    eval_key = jax.random.PRNGKey(run.seed + EVAL_SEED_OFFSET)
+    micro = dc.replace(run.data, batch_size=run.batch.microbatch)
+    sample = run.kind.batch_sampler(run.model, micro, run.seed, batch_sharding, eval_key,
+                                    held_out=True)
+    return eval_key, [sample(i) for i in range(run.data.eval_batches * run.batch.microbatches)]
 
 
 def draw(run: Run, evaluated: Evaluated, history: list[dict[str, float]],

@@ -150,3 +150,17 @@ def sample_forward_masks(key: PRNGKeyArray, live: Sequence[str], source: str, ro
     pos = ci_lower[live[0]].shape[:-1]
     routed = sample_routing(r_key, routing, live, pos, at)
     return masks_from_sources(ci_lower, sources, routed, delta)
+
+
+# An adversary's source shapes by scope (`loss.pgd.scope`, `loss.eval_pgd.scope`): (positions, C) -> shape.
+# global: one source for everything; batch_shared: one per position, shared by the batch's
+# examples; per_example: one per example and position.
+PGD_SCOPES: dict[str, Callable[[tuple[int, ...], int], tuple[int, ...]]] = {
+    "global": lambda pos, C: (*(1 for _ in pos), C + 1),
+    "batch_shared": lambda pos, C: (1, *pos[1:], C + 1),
+    "per_example": lambda pos, C: (*pos, C + 1),
+}
+
+
+def pgd_source_shape(scope: str, pos: tuple[int, ...], C: int) -> tuple[int, ...]:
+    return PGD_SCOPES[scope](pos, C)

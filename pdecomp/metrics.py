@@ -17,7 +17,7 @@ from pdecomp.adversary import Adversary, ascend
 from pdecomp.ci import ci_lower
 from pdecomp.components import Components, SiteMask, masked_linear, recording_linear
 from pdecomp.config import EvalPGDConfig
-from pdecomp.masks import masks_from_sources, sample_forward_masks
+from pdecomp.masks import masks_from_sources, pgd_source_shape, sample_forward_masks
 
 
 def causal_importances(target, components: Components, ci_fn, x: Array) -> dict[str, Array]:
@@ -57,11 +57,21 @@ def eval_masks(kind: str, lower: dict[str, Array], key: Array, threshold: float,
 def fresh_pgd_masks(distance: Callable[[dict[str, SiteMask]], Array],
                     lower: dict[str, Array], key: Array, delta: bool, pgd: EvalPGDConfig
                     ) -> dict[str, SiteMask]:
-    """Every site live and routed, masked by sources drawn uniformly and then pushed by
-    `pgd.n_steps` sign ascents of `distance` (clamped to [0, 1] after each): the masks of
-    an adversary that starts from nothing, unlike training's persistent one."""
+    """Every site live and routed, masked by sources drawn uniformly (one per component
+    and `pgd.scope`) and then pushed by `pgd.n_steps` sign ascents of `distance` (clamped
+    to [0, 1] after each): the masks of an adversary that starts from nothing, unlike
+    training's persistent one."""
+    return pgd_trajectory(distance, lower, key, delta, pgd, (pgd.n_steps,))[0]
+
+
+def pgd_trajectory(distance: Callable[[dict[str, SiteMask]], Array],
+                   lower: dict[str, Array], key: Array, delta: bool, pgd: EvalPGDConfig,
+                   marks: Sequence[int]) -> list[dict[str, SiteMask]]:
+    """The masks of one fresh adversary (`fresh_pgd_masks`) after each of `marks` ascents
+    (ascending): the adversary of `n_steps = m` for every mark m, in one ascent."""
     keys = dict(zip(lower, jax.random.split(key, len(lower))))
-    sources = {s: jax.random.uniform(keys[s], (*v.shape[:-1], v.shape[-1] + 1))
+    sources = {s: jax.random.uniform(keys[s], pgd_source_shape(pgd.scope, v.shape[:-1],
+                                                               v.shape[-1]))
                for s, v in lower.items()}
     routed = {s: None for s in lower}
 
@@ -70,8 +80,39 @@ def fresh_pgd_masks(distance: Callable[[dict[str, SiteMask]], Array],
             adv.sources)
         return ascend(adv, grads, pgd.step_size, "sign")  # sign steps keep no optimizer state
 
-    adv = jax.lax.fori_loop(0, pgd.n_steps, ascent, Adversary(sources, None))
-    return masks_from_sources(lower, adv.sources, routed, delta)
+    adv, done, out = Adversary(sources, None), 0, []
+    for mark in marks:
+        adv = jax.lax.fori_loop(done, mark, ascent, adv)
+        done = mark
+        out.append(masks_from_sources(lower, adv.sources, routed, delta))
+    return out
+
+
+def lm_pgd_curve(target, components: Components, ci_fn, batches: Sequence[Array], key: Array,
+                 delta: bool, dtype, pgd: EvalPGDConfig, marks: Sequence[int]
+                 ) -> dict[int, float]:
+    """KL to the target of the forward masked by a fresh adversary after each of `marks`
+    ascents (`pgd_trajectory`), mean over the batches: how fast an adversary that starts
+    from nothing breaks the decomposition, as VPD reports it."""
+    sites, marks = tuple(components.sites), tuple(marks)
+
+    @jax.jit
+    def one(target, components, ci_fn, tokens, key):
+        prefix, suffix = target.split(sites, dtype)
+        resid = prefix(tokens)
+        record: dict[str, Array] = {}
+        clean_lp = losses.recon_target("kl", suffix(resid, recording_linear(record, sites)))
+        lower = {s: ci_lower(v) for s, v in ci_fn({s: record[s] for s in sites},
+                                                  components).items()}
+
+        def kl(m):
+            return losses.kl(suffix(resid, masked_linear(components, m)), clean_lp)
+
+        return jnp.stack([kl(m) for m in pgd_trajectory(kl, lower, key, delta, pgd, marks)])
+
+    total = sum(np.asarray(one(target, components, ci_fn, t, jax.random.fold_in(key, i)))
+                for i, t in enumerate(batches))
+    return {m: float(v) / len(batches) for m, v in zip(marks, total)}
 
 
 def lm_mask_metrics(target, components: Components, ci_fn, batches: Sequence[Array],

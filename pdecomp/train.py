@@ -44,6 +44,7 @@ from pdecomp.masks import (
     Plan,
     Positions,
     masks_from_sources,
+    pgd_source_shape,
     sample_forward_masks,
 )
 from pdecomp.sharding import DEVICE, HOST, Layout, move
@@ -125,20 +126,6 @@ REMAT: dict[str, Callable[[Sequence[str]], Callable | None | bool]] = {
 
 def remat_policy(kind: str, names: Sequence[str]) -> Callable | None | bool:
     return REMAT[kind](names)
-
-
-# The adversary's source shapes by scope (`loss.pgd.scope`): (positions, C) -> shape.
-# global: one source for everything; batch_shared: one per position, shared by the batch's
-# examples; per_example: one per example and position.
-PGD_SCOPES: dict[str, Callable[[tuple[int, ...], int], tuple[int, ...]]] = {
-    "global": lambda pos, C: (*(1 for _ in pos), C + 1),
-    "batch_shared": lambda pos, C: (1, *pos[1:], C + 1),
-    "per_example": lambda pos, C: (*pos, C + 1),
-}
-
-
-def pgd_source_shape(scope: str, pos: tuple[int, ...], C: int) -> tuple[int, ...]:
-    return PGD_SCOPES[scope](pos, C)
 
 
 def pgd_lr(pgd: PGDConfig, total_steps: int) -> optax.Schedule:

@@ -29,9 +29,9 @@ from pdecomp.hardware import GPUS
 from pdecomp.kinds import KINDS, kind_of, site_names_of, tied_sites
 from pdecomp.llama import SITE_LAYER_SAVES
 from pdecomp.losses import DISTANCES
-from pdecomp.masks import PLANS, ROUTINGS, SOURCES
+from pdecomp.masks import PGD_SCOPES, PLANS, ROUTINGS, SOURCES
 from pdecomp.resolve import data_axis
-from pdecomp.train import PGD_SCOPES, REMAT, SCHEDULES, TIE_UPDATES
+from pdecomp.train import REMAT, SCHEDULES, TIE_UPDATES
 
 
 def _choice(key: str, value: str, allowed: Iterable[str]) -> None:
@@ -139,6 +139,7 @@ def _validate_loss(cfg: RunConfig) -> None:
     pgd = lo.pgd
     check_positive("loss.pgd.coeff", pgd.coeff, zero_ok=True)
     _choice("loss.pgd.scope", pgd.scope, PGD_SCOPES)
+    _choice("loss.eval_pgd.scope", lo.eval_pgd.scope, PGD_SCOPES)
     _choice("loss.pgd.optimizer", pgd.optimizer, PGD_OPTIMIZERS)
     check_positive("loss.pgd.lr", pgd.lr)
     _fraction("loss.pgd.warmup_frac", pgd.warmup_frac)

@@ -32,10 +32,10 @@ from pdecomp.config import (
     ReconTermConfig,
     RunConfig,
 )
-from pdecomp.masks import masks_from_sources, sample_forward_masks
-from pdecomp.metrics import fresh_pgd_masks, lm_mask_metrics
+from pdecomp.masks import masks_from_sources, pgd_source_shape, sample_forward_masks
+from pdecomp.metrics import fresh_pgd_masks, lm_mask_metrics, lm_pgd_curve, pgd_trajectory
 from pdecomp.resolve import resolve
-from pdecomp.train import init_state, make_train_step, pgd_source_shape
+from pdecomp.train import init_state, make_train_step
 from pdecomp.validation import validate
 
 SITES = [f"layers.{i}.mlp.{w}" for i in (1, 2) for w in ("gate_proj", "up_proj", "down_proj")]
@@ -319,6 +319,34 @@ def test_fresh_eval_pgd_starts_anew_ascends_and_reports_ce_and_kl(setup):
     out = lm_mask_metrics(target, comps, state.ci_fn, [tokens(cfg)], key, 0.1, True,
                           jnp.float32, EvalPGDConfig(5, 0.1))
     assert out["kl/pgd"] > out["kl/stochastic"] and out["ce_unrecovered/pgd"] > 0
+
+
+@pytest.mark.slow  # 10-25 s: outside the quick tier (make test-fast)
+def test_a_fresh_adversary_s_trajectory_is_each_step_count_s_adversary(setup):
+    """pgd_trajectory's masks after m ascents are fresh_pgd_masks' with n_steps = m (one
+    ascent serves VPD's 20/40/80/160 curve); batch_shared sources are one per position,
+    shared by the batch's examples, per_example ones are not; lm_pgd_curve reports the
+    trajectory's KL, rising with the ascents."""
+    cfg, target, state = setup
+    c = clean_forward(cfg, target, state)
+    comps = state.components
+
+    def kl_of(masks):
+        return losses.kl(c.suffix(c.resid, masked_linear(comps, masks)), c.clean_lp)
+
+    key = jax.random.PRNGKey(3)
+    for scope in ("batch_shared", "per_example"):
+        pgd = EvalPGDConfig(6, 0.1, scope)
+        path = pgd_trajectory(kl_of, c.lower, key, True, pgd, (2, 6))
+        for m, masks in zip((2, 6), path):
+            alone = fresh_pgd_masks(kl_of, c.lower, key, True, EvalPGDConfig(m, 0.1, scope))
+            for s in masks:
+                np.testing.assert_array_equal(masks[s].mask, alone[s].mask)
+        shared = [bool(jnp.all(m.delta_mask == m.delta_mask[:1])) for m in path[1].values()]
+        assert all(shared) == (scope == "batch_shared")
+    curve = lm_pgd_curve(target, comps, state.ci_fn, [tokens(cfg)], key, True, jnp.float32,
+                         EvalPGDConfig(8, 0.1, "per_example"), (0, 8))
+    assert curve[8] > curve[0] > 0
 
 
 def test_pgd_warmup_ascents_and_the_after_backward_ascent_are_counted(setup, step):

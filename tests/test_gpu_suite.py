@@ -1,0 +1,61 @@
+"""bench/gpu_suite.py at CPU size (`--reduced`): the GPU suite's speed and quality phases run
+end to end and write what bench/RESULTS.md's GPU tables are made from. The reference's rows
+need torch and a checkout of it, which this machine has not: the speed phase runs without
+them and says so by their absence."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+SUITE = ROOT / "bench" / "gpu_suite.py"
+pytestmark = pytest.mark.slow
+
+
+def suite(phase: str, out: Path, env: dict[str, str], *args: str) -> dict:
+    proc = subprocess.run([sys.executable, str(SUITE), phase, "--reduced", "--out", str(out),
+                           *args], capture_output=True, text=True, env={**env,
+                                                                        "JAX_PLATFORMS": "cpu"},
+                          check=False, timeout=600)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    return json.loads((out / f"{phase}.json").read_text())
+
+
+def test_speed_phase_times_the_job_and_reads_the_gate(tmp_path, env):
+    calib = tmp_path / "calib.json"
+    result = suite("speed", tmp_path / "out", env, "--calib", str(calib))
+    assert set(result["matmul_peak_tflops"]) == {"bfloat16", "float32"}
+    assert set(result["rows"]) == {"2x32/float32", "2x32/bfloat16"}
+    for row in result["rows"].values():
+        pd = row["pdecomp"]
+        assert "reference" not in row  # no checkout given
+        assert pd["step_s"] > 0 and pd["tokens_per_s"] == pytest.approx(64 / pd["step_s"])
+        assert pd["predicted_peak_bytes"] > 0 and pd["matmul_flops"] > 0
+    # the same products on bfloat16 operands: the same FLOPs
+    rows = result["rows"]
+    assert rows["2x32/bfloat16"]["pdecomp"]["matmul_flops"] == \
+        rows["2x32/float32"]["pdecomp"]["matmul_flops"]
+
+
+def test_quality_phase_reports_as_vpd_does(tmp_path, env):
+    out = tmp_path / "out"
+    result = suite("quality", out, env, "--steps", "3")
+    summary, curve = result["summary"], result["fresh_pgd"]
+    assert result["steps"] == 3 and "error" not in result["run"]
+    # the recipe: 6 MLP sites, persistent PGD per example, the CI function's clip
+    over = result["overrides"]
+    assert "loss.pgd.scope=per_example" in over and "optim.ci_fn.clip_norm=1.0" in over
+    assert sum(k.startswith("l0/") for k in summary) == 6
+    assert set(curve) == {f"{s}/{n}" for s in ("batch_shared", "per_example") for n in (2, 4)}
+    assert all(math.isfinite(v["kl"]) and v["kl"] >= 0 for v in curve.values())
+    table = "\n".join(result["table"])
+    for kind in ("target", "unmasked", "stochastic", "rounded", "ci", "zero"):
+        assert f"| {kind} |" in table
+    assert "KL / zero-ablation KL" in table and "live components" in table
+    assert (out / "quality_history.png").stat().st_size > 0
