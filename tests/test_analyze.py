@@ -354,3 +354,50 @@ def test_a_run_too_large_for_one_device_is_analysed_on_a_mesh(tmp_path: Path,
                               jax.tree_util.tree_leaves_with_path((parts.components,
                                                                      parts.ci_fn))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(k))
+
+
+@pytest.mark.slow  # shares the llama_tiny run
+def test_export_is_read_back_without_pdecomp(lm_report: Path, tmp_path: Path, env) -> None:
+    """`pdecomp export`: V, U per site and the CI function as safetensors with a manifest;
+    read with safetensors alone, V @ U is the run's own sum of components and the CI
+    function's tensors are its parameters; the second export replaces the first."""
+    from safetensors.numpy import load_file
+
+    out = tmp_path / "exported"
+    for _ in range(2):
+        proc = ok(pdecomp(["export", str(lm_report), "-o", str(out)], tmp_path, env))
+    assert proc.stdout.strip() == str(out)
+    assert sorted(p.name for p in out.iterdir()) == ["ci_fn.safetensors",
+                                                     "components.safetensors",
+                                                     "manifest.json"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    comps, ci = load_file(out / "components.safetensors"), load_file(out / "ci_fn.safetensors")
+    run = load_run(lm_report, whole_state=False)
+    assert manifest["step"] == run.step and manifest["model"]["kind"] == "llama"
+    assert set(manifest["sites"]) == set(run.components.sites)
+    for s, info in manifest["sites"].items():
+        V, U = comps[info["V"]], comps[info["U"]]
+        assert V.shape == (info["d_in"], info["C"]) and U.shape == (info["C"], info["d_out"])
+        mine = run.components.sites[s]
+        np.testing.assert_allclose(V @ U, np.asarray(mine.V @ mine.U), rtol=1e-5, atol=1e-6)
+    params = jax.tree.leaves(run.ci_fn)
+    assert sum(v.size for v in ci.values()) == sum(p.size for p in params)
+    assert {k: list(v.shape) for k, v in ci.items()} == manifest["ci_fn"]["tensors"]
+    assert manifest["provenance"]["pdecomp"] and manifest["ci_fn"]["fires_above"] == 0.1
+
+
+def test_export_refuses_what_is_not_a_run_or_not_its_own(tms_report: Path, tmp_path: Path,
+                                                         env) -> None:
+    """Bad input: one line and exit 2, nothing written; a tied toy exports both sites."""
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    proc = pdecomp(["export", str(tms_report), "-o", str(busy)], tmp_path, env)
+    assert proc.returncode == 2 and "is not an export" in proc.stderr
+    assert [p.name for p in busy.iterdir()] == ["notes.txt"]
+    proc = pdecomp(["export", str(tmp_path / "nothing")], tmp_path, env)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "nothing").exists()
+    ok(pdecomp(["export", str(tms_report)], tmp_path, env))
+    manifest = json.loads((tms_report / "export" / "manifest.json").read_text())
+    assert manifest["sites"]["linear2"]["tied_to"] == "linear1"

@@ -28,19 +28,13 @@ def suite(phase: str, out: Path, env: dict[str, str], *args: str) -> dict:
 
 
 def test_speed_phase_times_the_job_and_reads_the_gate(tmp_path, env):
-    calib = tmp_path / "calib.json"
-    result = suite("speed", tmp_path / "out", env, "--calib", str(calib))
+    result = suite("speed", tmp_path / "out", env)
     assert set(result["matmul_peak_tflops"]) == {"bfloat16", "float32"}
-    assert set(result["rows"]) == {"2x32/float32", "2x32/bfloat16"}
-    for row in result["rows"].values():
-        pd = row["pdecomp"]
-        assert "reference" not in row  # no checkout given
-        assert pd["step_s"] > 0 and pd["tokens_per_s"] == pytest.approx(64 / pd["step_s"])
-        assert pd["predicted_peak_bytes"] > 0 and pd["matmul_flops"] > 0
-    # the same products on bfloat16 operands: the same FLOPs
-    rows = result["rows"]
-    assert rows["2x32/bfloat16"]["pdecomp"]["matmul_flops"] == \
-        rows["2x32/float32"]["pdecomp"]["matmul_flops"]
+    (key, row), = result["rows"].items()
+    assert key == "2x32/bfloat16" and "reference" not in row  # no checkout given
+    pd = row["pdecomp"]
+    assert pd["step_s"] > 0 and pd["tokens_per_s"] == pytest.approx(64 / pd["step_s"])
+    assert pd["predicted_peak_bytes"] > 0 and pd["matmul_flops"] > 0
 
 
 def test_quality_phase_reports_as_vpd_does(tmp_path, env):

@@ -1,0 +1,138 @@
+"""A decomposition's components alone, readable without pdecomp: `pdecomp export <run_dir>`.
+
+From the run's last checkpoint (the components and the CI function only, as an analysis
+restores them), into `<run_dir>/export/` (or `-o DIR`):
+
+- `components.safetensors`: per site `s`, `s.V` [d_in, C] and `s.U` [C, d_out], float32.
+  Component c of site s is the rank-one weight V[:, c] ⊗ U[c]; V @ U approximates the
+  weight the target applies as y = x @ W (a Hugging Face Linear's `weight` is its
+  transpose). A tied site's V, U are its leader's Uᵀ, Vᵀ, written out like any other.
+- `ci_fn.safetensors`: the causal-importance function's parameters, each named by its
+  place in the function (the pytree path), float32.
+- `manifest.json`: what each tensor is and the run it came from (model, sites and C, the CI
+  function's kind and sizes, the threshold that makes a component fire, step, commit).
+
+Safetensors and JSON only: `safetensors.numpy.load_file` (or torch's) reads them. The
+directory is written beside its final place and swapped in whole.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+
+from pdecomp.commands import Parser
+from pdecomp.exits import EXIT_BAD_CONFIG
+from pdecomp.rundir import read_json
+from pdecomp.runs import LoadedRun, RunDirError, load_run
+
+OUT_DIR = "export"
+FORMAT = "pdecomp-components/1"
+
+
+def component_tensors(loaded: LoadedRun) -> dict[str, np.ndarray]:
+    """`<site>.V` and `<site>.U` of every site, float32."""
+    out = {}
+    for s, c in loaded.components.sites.items():
+        out[f"{s}.V"] = np.asarray(c.V, np.float32)
+        out[f"{s}.U"] = np.asarray(c.U, np.float32)
+    return out
+
+
+def ci_fn_tensors(ci_fn: Any) -> dict[str, np.ndarray]:
+    """The CI function's arrays by pytree path (`.sites['layers.0.mlp.up_proj'].w_in`)."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(eqx.filter(ci_fn, eqx.is_array))
+    return {jax.tree_util.keystr(path).lstrip("."): np.asarray(v, np.float32)
+            for path, v in leaves}
+
+
+def manifest(loaded: LoadedRun, ci: dict[str, np.ndarray]) -> dict[str, Any]:
+    run = loaded.run
+    tied = dict(run.tied)
+    sites = {s: {"C": int(c.V.shape[1]), "d_in": int(c.V.shape[0]),
+                 "d_out": int(c.U.shape[1]), "V": f"{s}.V", "U": f"{s}.U",
+                 "tied_to": tied.get(s)}
+             for s, c in loaded.components.sites.items()}
+    written = read_json(loaded.run_dir / "run.json") or {}
+    return {
+        "format": FORMAT, "run_dir": str(loaded.run_dir), "step": loaded.step,
+        "provenance": written.get("provenance"),
+        "model": {"kind": run.model.kind, "name": run.name,
+                  "path": getattr(run.model, "path", None) or None},
+        "weight": "W ≈ V @ U, [d_in, d_out], applied as y = x @ W",
+        "sites": sites,
+        "ci_fn": {"kind": run.layers.ci_fn, "hidden": list(run.layers.ci_hidden),
+                  "tensors": {k: list(v.shape) for k, v in ci.items()},
+                  "fires_above": run.loss.ci_threshold,
+                  "semantics": "docs/method.md: CI = clamp(logits, 0, 1) per component"},
+        "delta": run.layers.delta,
+    }
+
+
+def write(loaded: LoadedRun, final: Path) -> Path:
+    """The three files into a temporary directory beside `final`, then swapped in: a
+    failure leaves the previous export (or none) and no partial one."""
+    from safetensors.numpy import save_file
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        tmp.chmod(0o755)
+        ci = ci_fn_tensors(loaded.ci_fn)
+        save_file(component_tensors(loaded), str(tmp / "components.safetensors"))
+        save_file(ci, str(tmp / "ci_fn.safetensors"))
+        (tmp / "manifest.json").write_text(json.dumps(manifest(loaded, ci), indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def parser() -> Parser:
+    p = Parser(prog="pdecomp export",
+               description="Write a finished run's components (V, U per site) and CI "
+                           "function as safetensors with a JSON manifest, readable "
+                           "without pdecomp.")
+    p.add_argument("run_dir", help="a run directory (config.yaml and checkpoints/)")
+    p.add_argument("-o", "--output", help="the directory to write (default "
+                                          "<run_dir>/export; replaced if it is an export)")
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parser().parse_args(argv)
+    out = Path(args.output) if args.output else Path(args.run_dir) / OUT_DIR
+    if out.exists() and not (out.is_dir() and (not any(out.iterdir())
+                                               or (out / "manifest.json").is_file())):
+        print(f"-o {out}: exists and is not an export; give a new or empty directory",
+              file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    try:
+        loaded = load_run(args.run_dir, log=lambda line: print(line, file=sys.stderr),
+                          whole_state=False)
+    except RunDirError as e:
+        print(f"{e}; pdecomp export expects a run directory with config.yaml and "
+              "checkpoints/", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    final = write(loaded, out.absolute())
+    n = sum(c.V.shape[1] for c in loaded.components.sites.values())
+    print(f"{len(loaded.components.sites)} sites, {n:,} components (step {loaded.step})",
+          file=sys.stderr)
+    print(final)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
