@@ -48,7 +48,7 @@ QUIET = ["logging.wandb.mode=disabled", "logging.progress=false",
          "logging.ckpt_every=100000"]
 SPEED_JOB = ["+experiment=smollm2_l28", "layers.ci_fn=mlp", "layers.ci_hidden=[16]",
              "loss.pgd.coeff=0", "optim.faith_warmup_steps=0", "loss.eval_pgd.n_steps=0",
-             "data.eval_batches=1", "logging.plots=false"]
+             "data.eval_batches=0", "logging.plots=false"]
 # the reduced speed job: the last layer's MLP of 4, windows of 32 tokens
 REDUCED_SPEED = ["data.seq_len=32",
                  "layers.sites=[layers.3.mlp.gate_proj,layers.3.mlp.up_proj,layers.3.mlp.down_proj]"]

@@ -130,11 +130,31 @@ def log_report(run: Any, index: Path) -> None:
 
     config = yaml.safe_load((run.run_dir / "config.yaml").read_text())
     wb = WandbLogger(run.config, run.run_dir, config, {})
-    wb.run.log({f"analyze/{p.stem}": wandb.Image(str(p))
-                for p in sorted(index.parent.glob("*.png"))})
+    wb.run.log({**{f"analyze/{p.stem}": wandb.Image(str(p))
+                   for p in sorted(index.parent.glob("*.png"))},
+                **analysis_tables(index.parent)})
     if run.config.logging.wandb.artifacts:
         wb.artifact("report", index.parent, by_reference=False)
     wb.finish()
+
+
+def analysis_tables(report: Path) -> dict[str, Any]:
+    """Each site's component table (`components/<site>.parquet` of the report) as a
+    wandb.Table, its rows by firing frequency, at most the rows wandb takes in one log
+    (wandb.Table.MAX_ROWS): the whole table is the Parquet file (and the report artifact).
+    A list cell (the top contexts) is shown joined."""
+    import pyarrow.parquet as pq
+    import wandb
+
+    tables = {}
+    for path in sorted((report / "components").glob("*.parquet")):
+        t = pq.read_table(path)
+        site = (t.schema.metadata or {}).get(b"site", path.stem.encode()).decode()
+        t = t.sort_by([("frequency", "descending")]).slice(0, wandb.Table.MAX_ROWS)
+        rows = [[" | ".join(map(str, v)) if isinstance(v, list) else v for v in r.values()]
+                for r in t.to_pylist()]
+        tables[f"analyze/components/{site}"] = wandb.Table(columns=t.column_names, data=rows)
+    return tables
 
 
 def last_checkpoint(run_dir: Path) -> Path | None:

@@ -272,7 +272,7 @@ class DataConfig:
     """Toy targets sample their sparse features; a Llama reads token windows (docs/data.md)."""
 
     batch_size: int = 4096
-    eval_batches: int = 8  # batches used for the final metrics (live components, MMCS)
+    eval_batches: int = 8  # batches of the final metrics (live, L0, MMCS, CE); 0: none
     source: DataSource = DataSource.toy
     path: str = ""  # tokens: a flat token file; hf_dataset: a save_to_disk directory
     token_dtype: TokenDType = TokenDType.uint16  # tokens

@@ -85,9 +85,11 @@ def decompose(run: Run | RunConfig, run_dir: str | Path, hooks: Hooks | None = N
     steps, learned = int(state.step), Learned(state.components, state.ci_fn)
     del state
 
-    summary, evaluated = evaluate(g.run, target, learned, g.batch_sharding)
-    note_peak(g, "evaluation")
-    summary.update(draw(g.run, evaluated, history, run_dir))
+    summary: dict[str, Any] = {}
+    if g.run.data.eval_batches:  # 0: a run evaluated later, or timed alone
+        summary, evaluated = evaluate(g.run, target, learned, g.batch_sharding)
+        note_peak(g, "evaluation")
+        summary.update(draw(g.run, evaluated, history, run_dir))
     last = history[-1] if history else {}
     summary.update({k: v for k, v in last.items() if k.startswith(("loss/", "perf/"))})
     made_by = provenance()

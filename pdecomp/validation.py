@@ -180,7 +180,7 @@ def _validate_data(cfg: RunConfig, scan: bool = True) -> None:
     m = cfg.model
     d = cfg.data
     check_positive("data.batch_size", d.batch_size)
-    check_positive("data.eval_batches", d.eval_batches)
+    check_positive("data.eval_batches", d.eval_batches, zero_ok=True)
     _choice("data.source", d.source, DATA_SOURCES)
     kind = kind_of(m)
     if d.source not in kind.data_sources:

@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 from conftest import leet, ok, pdecomp
 
@@ -273,10 +274,20 @@ def test_the_plots_are_logged_to_the_runs_wandb(tms_report: Path, lm_report: Pat
               (runs[-1] / "files" / "media" / "images" / "analyze").glob("*.png")}
     assert logged == {p.stem for p in (tms_report / "analysis").glob("*.png")} >= {
         "mean_ci", "frequency_norm", "feature_ci"}
+    # each site's component table as a wandb.Table, every row of its Parquet file
+    tables = runs[-1] / "files" / "media" / "table" / "analyze" / "components"
+    for site in ("linear1", "linear2"):
+        (f,) = tables.glob(f"{site}_*.table.json")
+        logged_table = json.loads(f.read_text())
+        parquet = pq.read_table(tms_report / "analysis" / "components" / f"{site}.parquet")
+        assert logged_table["columns"] == parquet.column_names
+        assert len(logged_table["data"]) == parquet.num_rows
+        freq = [row[parquet.column_names.index("frequency")] for row in logged_table["data"]]
+        assert freq == sorted(freq, reverse=True)
     # logging.wandb.artifacts: the report's files, copied, as an artifact of the run
     records = [json.loads(line) for line in leet(["--json", str(runs[-1])]).splitlines()]
-    (art,) = [r["artifact"] for r in records if r.get("type") == "artifact"]
-    assert art["type"] == "report"
+    arts = [r["artifact"] for r in records if r.get("type") == "artifact"]
+    (art,) = [a for a in arts if a["type"] == "report"]  # beside wandb's own of the tables
     report = tms_report / "analysis"
     assert {c["path"] for c in art["manifest"]["contents"]} == {
         str(p.relative_to(report)) for p in report.rglob("*") if p.is_file()} >= {

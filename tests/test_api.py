@@ -104,3 +104,15 @@ def test_a_run_directory_written_before_the_per_kind_schemas_reads_back(preset, 
     old["model"] = {**flat, **old["model"]}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
     assert read_config(tmp_path) == cfg
+
+
+def test_no_final_evaluation_with_zero_eval_batches(cache, tmp_path: Path) -> None:
+    """`data.eval_batches=0`: trained and checkpointed, then no evaluation: the summary holds
+    the last losses and the steps, no metric of the final evaluation and no plot."""
+    cfg = api.compose(["+experiment=tms_5-2", "optim.steps=20", "logging.log_every=10",
+                       "data.eval_batches=0"])
+    summary = api.run(cfg, tmp_path / "run", QUIET)
+    assert summary["steps"] == 20 and "loss/total" in summary
+    assert not any(k.startswith(("live/", "l0/", "mmcs", "plots/")) for k in summary)
+    assert not list((tmp_path / "run").glob("*.png"))
+    assert api.load_run(tmp_path / "run").step == 20
