@@ -412,3 +412,46 @@ def test_export_refuses_what_is_not_a_run_or_not_its_own(tms_report: Path, tmp_p
     ok(pdecomp(["export", str(tms_report)], tmp_path, env))
     manifest = json.loads((tms_report / "export" / "manifest.json").read_text())
     assert manifest["sites"]["linear2"]["tied_to"] == "linear1"
+
+
+@pytest.mark.slow  # shares the llama_tiny run
+def test_prompt_shows_the_components_firing_at_each_token(lm_report: Path, tmp_path: Path,
+                                                          env) -> None:
+    """`pdecomp prompt`: per token, the components with CI above the threshold, strongest
+    first, as a direct computation of the CI finds them; a text through a tokenizer gives
+    what its ids give; bad input exits 2 with one line."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from pdecomp import prompt
+
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    proc = ok(pdecomp(["prompt", str(lm_report), "--ids", ",".join(map(str, ids)), "--json"],
+                      tmp_path, env))
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["id"] for r in rows] == ids and [r["position"] for r in rows] == list(range(8))
+    run = load_run(lm_report, whole_state=False)
+    ci = metrics.causal_importances(run.target, run.components, run.ci_fn,
+                                    jnp.asarray([ids], jnp.int32))
+    thr = run.run.loss.ci_threshold
+    for t, r in enumerate(rows):
+        want = {(s, int(c)): float(v[0, t, c]) for s, v in ci.items()
+                for c in np.nonzero(np.asarray(v[0, t]) > thr)[0]}
+        assert {(s, c): pytest.approx(v, abs=1e-5) for s, c, v in r["firing"]} == want
+        values = [v for _, _, v in r["firing"]]
+        assert values == sorted(values, reverse=True) and all(v > thr for v in values)
+    assert sum(len(r["firing"]) for r in rows) > 0
+    words = [f"w{i}" for i in range(10)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    text = " ".join(f"w{i}" for i in ids)
+    proc = ok(pdecomp(["prompt", str(lm_report), text, "--tokenizer", str(tmp_path),
+                       "--json"], tmp_path, env))
+    worded = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r | {"text": ""} for r in worded] == [r | {"text": ""} for r in rows]
+    assert "".join(r["text"] for r in worded).split() == text.split()
+    assert [(s, c) for s, c, _ in prompt.firing(run, ids)[0]] == [
+        (s, c) for s, c, _ in rows[0]["firing"]]
+    for args in (["some text"], ["--ids", "1,x"], ["--ids", "100000"], []):
+        proc = pdecomp(["prompt", str(lm_report), *args], tmp_path, env)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, args
