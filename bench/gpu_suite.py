@@ -393,7 +393,7 @@ def quality(args: argparse.Namespace) -> dict:
         row["train_wall_s"] = time.perf_counter() - t0
         if "error" in row:
             return {"steps": args.steps, "run": row}
-    for f in (*run_dir.glob("*.png"), run_dir / "history.json", run_dir / "summary.json"):
+    for f in (*run_dir.glob("*.png"), run_dir / "history.json"):  # the summary: quality.json
         shutil.copy(f, out / f"quality_{f.name}")
     summary = json.loads((run_dir / "summary.json").read_text())
     result = {"steps": args.steps, "overrides": over, "run": row, "summary": summary,
