@@ -381,7 +381,8 @@ def quality(args: argparse.Namespace) -> dict:
     over = [*quality_job(args.reduced, args.steps, args.batch),
             *([f"model.path={args.model}"] if args.model else ["model.n_layers=4"]),
             *([f"data.path={args.data}"] if args.data else ["data.source=synthetic"]),
-            "loss.eval_pgd.scope=batch_shared", "logging.plots=true"]
+            "loss.eval_pgd.scope=batch_shared", "logging.plots=true",
+            *(["data.eval_batches=1", "loss.eval_pgd.n_steps=2"] if args.reduced else [])]
     if args.evaluate_only:  # a run trained before: its summary and the curve only
         row = {"evaluated_again": str(run_dir)}
     else:
@@ -428,8 +429,9 @@ def quality_table(summary: dict, curve: dict) -> list[str]:
     lines += ["", "| fresh PGD | " + " | ".join(k for k in curve) + " |",
               "|---|" + "---|" * len(curve),
               "| KL | " + " | ".join(f"{v['kl']:.4g}" for v in curve.values()) + " |",
-              "| KL / zero-ablation KL | " + " | ".join(
-                  f"{v['kl'] / summary['kl/zero']:.3f}" for v in curve.values()) + " |",
+              "| KL / zero-ablation KL | " + " | ".join(  # none where ablating loses nothing
+                  f"{v['kl'] / summary['kl/zero']:.3f}" if summary["kl/zero"] > 0 else "-"
+                  for v in curve.values()) + " |",
               "", f"L0 per position, all {len(sites)} sites: {l0:.1f}; live components: {live}"]
     return lines
 

@@ -39,7 +39,7 @@ def test_speed_phase_times_the_job_and_reads_the_gate(tmp_path, env):
 
 def test_quality_phase_reports_as_vpd_does(tmp_path, env):
     out = tmp_path / "out"
-    result = suite("quality", out, env, "--steps", "3")
+    result = suite("quality", out, env, "--steps", "3", "--curve-batches", "1")
     summary, curve = result["summary"], result["fresh_pgd"]
     assert result["steps"] == 3 and "error" not in result["run"]
     # the recipe: 6 MLP sites, persistent PGD per example, the CI function's clip
