@@ -30,11 +30,11 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from pdecomp.commands import Parser
-from pdecomp.exits import EXIT_BAD_CONFIG
+from pdecomp.commands import Parser, refuse
 from pdecomp.rundir import read_json
 from pdecomp.runs import LoadedRun, RunDirError, load_run
 
+PROG = "pdecomp export"
 OUT_DIR = "export"
 FORMAT = "pdecomp-components/1"
 
@@ -101,7 +101,7 @@ def write(loaded: LoadedRun, final: Path) -> Path:
 
 
 def parser() -> Parser:
-    p = Parser(prog="pdecomp export",
+    p = Parser(prog=PROG,
                description="Write a finished run's components (V, U per site) and CI "
                            "function as safetensors with a JSON manifest, readable "
                            "without pdecomp.")
@@ -116,16 +116,13 @@ def main(argv: Sequence[str]) -> int:
     out = Path(args.output) if args.output else Path(args.run_dir) / OUT_DIR
     if out.exists() and not (out.is_dir() and (not any(out.iterdir())
                                                or (out / "manifest.json").is_file())):
-        print(f"-o {out}: exists and is not an export; give a new or empty directory",
-              file=sys.stderr)
-        return EXIT_BAD_CONFIG
+        return refuse(PROG, f"-o {out}: exists and is not an export; give a new or empty "
+                            "directory")
     try:
         loaded = load_run(args.run_dir, log=lambda line: print(line, file=sys.stderr),
                           whole_state=False)
     except RunDirError as e:
-        print(f"{e}; pdecomp export expects a run directory with config.yaml and "
-              "checkpoints/", file=sys.stderr)
-        return EXIT_BAD_CONFIG
+        return refuse(PROG, f"{e}; expects a run directory with config.yaml and checkpoints/")
     final = write(loaded, out.absolute())
     n = sum(c.V.shape[1] for c in loaded.components.sites.values())
     print(f"{len(loaded.components.sites)} sites, {n:,} components (step {loaded.step})",

@@ -20,9 +20,10 @@ import numpy as np
 
 from pdecomp import metrics
 from pdecomp.analyze import Tokens, reads_tokens
-from pdecomp.commands import Parser
-from pdecomp.exits import EXIT_BAD_CONFIG
+from pdecomp.commands import Parser, refuse
 from pdecomp.runs import LoadedRun, RunDirError, load_run
+
+PROG = "pdecomp prompt"
 
 
 def firing(loaded: LoadedRun, ids: Sequence[int]) -> list[list[tuple[str, int, float]]]:
@@ -49,7 +50,7 @@ def encode(tokenizer_dir: str, text: str) -> list[int] | None:
 
 
 def parser() -> Parser:
-    p = Parser(prog="pdecomp prompt",
+    p = Parser(prog=PROG,
                description="Show which components of a language model's run fire on a text, "
                            "token by token.")
     p.add_argument("run_dir", help="a run directory (config.yaml and checkpoints/)")
@@ -86,22 +87,17 @@ def token_ids(args, loaded: LoadedRun) -> list[int] | str:
 def main(argv: Sequence[str]) -> int:
     args = parser().parse_args(argv)
     if args.top < 1:
-        print(f"--top {args.top}: at least 1", file=sys.stderr)
-        return EXIT_BAD_CONFIG
+        return refuse(PROG, f"--top {args.top}: at least 1")
     try:
         loaded = load_run(args.run_dir, log=lambda _: None, whole_state=False)
     except RunDirError as e:
-        print(f"{e}; pdecomp prompt expects a run directory with config.yaml and "
-              "checkpoints/", file=sys.stderr)
-        return EXIT_BAD_CONFIG
+        return refuse(PROG, f"{e}; expects a run directory with config.yaml and checkpoints/")
     if not reads_tokens(loaded.run):
-        print(f"{args.run_dir}: a {loaded.run.model.kind} run reads no tokens; pdecomp prompt "
-              "reads a language model's", file=sys.stderr)
-        return EXIT_BAD_CONFIG
+        return refuse(PROG, f"{args.run_dir}: a {loaded.run.model.kind} run reads no tokens; "
+                            "only a language model's")
     ids = token_ids(args, loaded)
     if isinstance(ids, str):
-        print(ids, file=sys.stderr)
-        return EXIT_BAD_CONFIG
+        return refuse(PROG, ids)
     pieces = Tokens(args.tokenizer or loaded.run.model.path).pieces(ids)
     for t, (i, text, fired) in enumerate(zip(ids, pieces, firing(loaded, ids))):
         if args.json:
