@@ -16,9 +16,10 @@
 # folder, outside the checkout (GPU_SUITE_STATE, default /tmp/pdecomp-gpu-suite), which
 # also keeps the installed wheels and the unpacked reference and model between calls.
 # REDUCED=1: CPU-sized. SPEED_BUDGET_S (default 240): no speed row starts past it.
-# QUALITY_STEPS (default 2000: 55 ms each on one H100), CURVE_BATCHES (default 4): the
-# quality run's steps and the held-out batches of its fresh-PGD curve. Measured on one H100:
-# each pdecomp speed row about 45 s (its compile), the quality run's compile about 60 s.
+# QUALITY_STEPS (default 2000: 49 ms each on one H200), CURVE_BATCHES (default 4): the
+# quality run's steps and the held-out batches of its fresh-PGD curve. Measured on one H200:
+# `speed` 300 s (four rows of about 30 s for pdecomp and 30 s for the reference), `quality`
+# 319 s at CURVE_BATCHES=2 (the model's conversion, a 55 s compile, 100 s of steps).
 set -euo pipefail
 phase=${1:?speed, quality, all or stash}
 root=$(cd "$(dirname "$0")/.." && pwd)
