@@ -151,10 +151,27 @@ def analysis_tables(report: Path) -> dict[str, Any]:
         t = pq.read_table(path)
         site = (t.schema.metadata or {}).get(b"site", path.stem.encode()).decode()
         t = t.sort_by([("frequency", "descending")]).slice(0, wandb.Table.MAX_ROWS)
-        rows = [[" | ".join(map(str, v)) if isinstance(v, list) else v for v in r.values()]
-                for r in t.to_pylist()]
+        rows = [[_cell(v) for v in r.values()] for r in t.to_pylist()]
         tables[f"analyze/components/{site}"] = wandb.Table(columns=t.column_names, data=rows)
     return tables
+
+
+def _cell(value: Any) -> Any:
+    """A list cell as one string: contexts by their text, tokens by theirs, partners as
+    site:component, each with its figure."""
+    if not isinstance(value, list):
+        return value
+
+    def one(v: Any) -> str:
+        if not isinstance(v, dict):
+            return str(v)
+        if "text" in v:
+            return f"{v['text']} ({v['ci']:.3g})"
+        if "token" in v:
+            return f"{v['token']!r} ({v['count']})"
+        return f"{v['site']}:{v['component']} ({v['p']:.2f})"
+
+    return " | ".join(one(v) for v in value)
 
 
 def last_checkpoint(run_dir: Path) -> Path | None:

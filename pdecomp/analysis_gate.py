@@ -1,4 +1,4 @@
-"""The memory gate of an analysis: its step (`analyze.reduce_fn`: CI of a batch, reduced
+"""The memory gate of an analysis: its step (`harvest.step_fn`: CI of a batch, reduced
 per component) compiled on abstract inputs, on the mesh it will run on, before anything is
 read; its per-device peak against the cap, as training's gate reports it.
 
@@ -11,14 +11,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pdecomp import gate as gate_lib
-from pdecomp import hardware
+from pdecomp import hardware, harvest
 from pdecomp.components import with_tied
 from pdecomp.resolve import Run
 from pdecomp.runs import placed_abstract
+from pdecomp.sharding import MODEL
 from pdecomp.units import fmt_bytes
 
 
@@ -32,22 +35,29 @@ def analysis_cap(run: Run, mesh: Mesh, cap_gib: float | None) -> tuple[int, str]
     return cap, ("--hbm-cap-gib" if cap_gib is not None else source)
 
 
-def gate(run: Run, mesh: Mesh, reduce_fn: Any, batch_size: int,
+def gate(run: Run, mesh: Mesh, o: harvest.Options, batch_size: int,
          cap_gib: float | None) -> dict[str, Any]:
     """The analysis step's gate report on `mesh` (fits: its peak is under the cap)."""
     target_abs, state_abs = placed_abstract(run, mesh)
     batch = run.kind.batch_abstract(run.model, run.data, batch_size, NamedSharding(mesh, P()))
-    tied = dict(run.tied)
+    tied, step = dict(run.tied), harvest.step_fn(o)
+    C = {s: c.V.shape[1] for s, c in state_abs.components.sites.items()}
+    C |= {s: C[source] for s, source in tied.items()}  # a tied site shares its source's C
+    rows = NamedSharding(mesh, P(MODEL, None))
+    cofire = tuple(jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows)
+                   for shape in harvest.cofire_shapes(o, C))
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, P()))
 
-    def step(target: Any, components: Any, ci_fn: Any, x: Any) -> Any:
-        return reduce_fn(target, with_tied(components, tied), ci_fn, x)
+    def analysis_step(target: Any, components: Any, ci_fn: Any, x: Any, k: Any, co: Any
+                      ) -> Any:
+        return step(target, with_tied(components, tied), ci_fn, x, k, co)
 
     cap, source = analysis_cap(run, mesh, cap_gib)
     device = mesh.devices.flat[0]
     _, report = gate_lib.compile_and_report(
-        step, (target_abs, state_abs.components, state_abs.ci_fn, batch), cap_bytes=cap,
-        cap_source=source, target=f"analysis on {mesh.size} {device.platform} device(s)",
-        mesh=dict(mesh.shape))
+        analysis_step, (target_abs, state_abs.components, state_abs.ci_fn, batch, key, cofire),
+        cap_bytes=cap, cap_source=source,
+        target=f"analysis on {mesh.size} {device.platform} device(s)", mesh=dict(mesh.shape))
     return {**report, "batch_size": batch_size}
 
 

@@ -32,14 +32,21 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
-from pdecomp import analysis_gate, component_tables, metrics, plots, toys
-from pdecomp.ci import ci_lower
+from pdecomp import (
+    analysis_gate,
+    component_tables,
+    harvest,
+    metrics,
+    plots,
+    sharding,
+    toys,
+)
 from pdecomp.commands import Parser, progress_bar
 from pdecomp.config import EVAL_SEED_OFFSET
 from pdecomp.exits import EXIT_BAD_CONFIG, EXIT_GATE_REFUSED
 from pdecomp.gating import GateRefused
 from pdecomp.kinds import site_names_of
-from pdecomp.lm import token_stream
+from pdecomp.lm import arch, token_stream
 from pdecomp.resolve import Run, resolve
 from pdecomp.rundir import write_json
 from pdecomp.runs import (
@@ -55,6 +62,7 @@ from pdecomp.units import fmt_bytes
 OUT_DIR = "analysis"
 ONE_HOT_VALUE = 0.75  # the single-feature input value of toys.one_hot_live (and the paper)
 CONTEXT_BEFORE, CONTEXT_AFTER = 12, 3  # tokens shown around a firing position
+TOKENS_SHOWN = 8  # input / next tokens kept per component and ranking
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,7 @@ class SiteStats:
     max_ci: np.ndarray
     norm: np.ndarray  # ‖V[:, c]‖·‖U[c]‖, the Frobenius norm of the rank-one weight
     positions: int  # how many positions (token positions, toy inputs) were analysed
+    hist: np.ndarray  # [C, bins]: positions per CI bin (harvest.HIST_EDGES)
 
     @property
     def dead(self) -> int:
@@ -84,6 +93,7 @@ class Context:
     cis: list[float]
     at: int  # index of the firing position in `tokens`
     sep: str  # shown between tokens
+    act: float  # the component's signed activation there, (x . V_c) ||U_c||
 
 
 @dataclass(frozen=True)
@@ -93,6 +103,19 @@ class Analysis:
     contexts: dict[str, list[list[Context]]] | None  # site -> component -> top-K (LMs)
     feature_ci: dict[str, np.ndarray] | None  # site -> CI [features, C] (toys)
     data: str  # what was analysed, in words
+    samples: dict[str, list[list[Context]]] | None = None  # the reservoirs (LMs)
+    tokens: dict[str, harvest.TokenStats] | None = None  # input / next tokens (LMs)
+    partners: dict[str, list[list[Partner]]] | None = None  # co-firing in the layer
+    decoder: Tokens | None = None  # token id -> text (LMs)
+
+
+@dataclass(frozen=True)
+class Partner:
+    """A component of the same layer firing with this one: P(it fires | this fires)."""
+
+    site: str
+    component: int
+    p: float
 
 
 @jax.jit
@@ -113,35 +136,13 @@ def on_mesh(run: LoadedRun, x: Any) -> Array:
     return jax.device_put(x, NamedSharding(run.mesh, P()))
 
 
-def _batch_reduce(threshold: float, top_k: int) -> Callable:
-    """reduce_fn, compiled (target, components and CI function as arguments, not program
-    constants)."""
-    return jax.jit(reduce_fn(threshold, top_k))
-
-
-def reduce_fn(threshold: float, top_k: int) -> Callable:
-    """Per site and batch: CI sum, count above threshold and max per component, and (top_k
-    > 0) each component's top_k CIs with their flat position and the CI along their row.
-    The top positions are ranked by the CI's logit before the clamp: where a component's
-    CI saturates at 1 on many positions, the logit still tells them apart."""
-
-    def reduce(target, components, ci_fn, x: Array) -> dict[str, tuple[Array, ...]]:
-        out = {}
-        for s, logit in metrics.ci_logits(target, components, ci_fn, x).items():
-            v = ci_lower(logit)
-            flat = v.reshape(-1, v.shape[-1])  # [positions, C]
-            stats = (flat.sum(0), (flat > threshold).sum(0), flat.max(0))
-            if top_k:
-                k = min(top_k, flat.shape[0])
-                _, idx = jax.lax.top_k(logit.reshape(flat.shape).T, k)  # [C, k]
-                val = jnp.take_along_axis(flat.T, idx, axis=1)  # their CIs, in that order
-                by_comp = jnp.moveaxis(v, -1, 0)  # [C, rows, T]
-                along = jax.vmap(lambda m, r: m[r])(by_comp, idx // v.shape[1])  # [C, k, T]
-                stats = (*stats, val, idx, along)
-            out[s] = stats
-        return out
-
-    return reduce
+def options(run: Run, top_k: int, reservoir: int, cofire: bool) -> harvest.Options:
+    """What one pass gathers: for a language model the top and reservoir examples and the
+    token statistics; for both kinds the co-firing within each layer (`cofire`)."""
+    lm = reads_tokens(run)
+    return harvest.Options(
+        run.loss.ci_threshold, top_k if lm else 0, reservoir if lm else 0,
+        harvest.layer_groups(tuple(run.sites)) if cofire else (), lm)
 
 
 def reads_tokens(run: Run) -> bool:
@@ -214,84 +215,87 @@ class Tokens:
         return out
 
 
-def component_stats(run: LoadedRun, windows: int = 256, inputs: int = 8192, top_k: int = 5,
-                    batch_size: int | None = None,
+def component_stats(run: LoadedRun, o: harvest.Options, windows: int = 256,
+                    inputs: int = 8192, batch_size: int | None = None,
                     progress: Callable[[int, int], None] | None = None
-                    ) -> tuple[dict[str, SiteStats], dict[str, list[list[Context]]] | None,
-                               str]:
-    """Stats of every site's components, and for a Llama the top_k contexts per component,
-    streamed over `windows` held-out windows (Llama) or `inputs` sampled inputs (toys) in
-    batches; `progress(done, total)` after each batch."""
-    cfg, thr = run.config, run.config.loss.ci_threshold
+                    ) -> tuple[dict[str, harvest.SiteHarvest], dict[str, list[list[Partner]]],
+                               np.ndarray | None]:
+    """One pass over `windows` held-out windows (Llama) or `inputs` sampled inputs (toys),
+    in batches on the run's devices; `progress(done, total)` after each batch. Returns each
+    site's harvest, its components' co-firing partners, and (Llama) the windows read."""
     lm = reads_tokens(run.run)
-    B = batch_size or cfg.data.batch_size
+    B = batch_size or run.config.data.batch_size
     total = windows if lm else inputs
     if total <= 0:
         raise ValueError(f"nothing to analyse: {total} {'windows' if lm else 'inputs'}")
     batches = _lm_windows(run, windows, B) if lm else _toy_inputs(run, inputs, B)
-    reduce = _batch_reduce(thr, top_k if lm else 0)
-    sums: dict[str, np.ndarray] = {}
-    counts: dict[str, np.ndarray] = {}
-    maxes: dict[str, np.ndarray] = {}
-    best: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # site -> (ci, pos, row)
+    C = {s: c.V.shape[1] for s, c in run.components.sites.items()}
+    vocab = arch(run.config.model).vocab_size if lm else 0
+    sites = {s: harvest.SiteHarvest(C[s], o, vocab) for s in C}
+    step, cofire = jax.jit(harvest.step_fn(o), donate_argnums=5), cofire_zeros(run, o, C)
+    key = jax.random.PRNGKey(run.config.seed + EVAL_SEED_OFFSET)
     tokens: list[np.ndarray] = []
-    positions, done = 0, 0
-    for x in batches:
-        out = reduce(run.target, run.components, run.ci_fn, on_mesh(run, x))
-        rows = x.shape[0]
-        per_row = x.shape[1] if lm else 1
-        for s, (vsum, active, vmax, *top) in out.items():
-            sums[s] = sums.get(s, 0) + np.asarray(vsum, np.float64)
-            counts[s] = counts.get(s, 0) + np.asarray(active, np.int64)
-            maxes[s] = np.maximum(maxes.get(s, -np.inf), np.asarray(vmax, np.float64))
-            if top:
-                best[s] = _merge_top(best.get(s), top, positions, top_k)
+    done = 0
+    for i, x in enumerate(batches):
+        out, cofire = step(run.target, run.components, run.ci_fn, on_mesh(run, x),
+                           jax.random.fold_in(key, i), cofire)
+        ids = np.asarray(x) if lm else None
+        for s, h in sites.items():
+            h.add(out[s], x.shape[0] * (x.shape[1] if lm else 1), ids)
         if lm:
-            tokens.append(np.asarray(x))
-        positions += rows * per_row
-        done += rows
+            tokens.append(ids)
+        done += x.shape[0]
         if progress:
             progress(done, total)
-    norms = weight_norms(run)
-    order = [s for s in site_names_of(cfg.model) if s in sums]  # canonical, not sorted
-    stats = {s: SiteStats(counts[s] / positions, sums[s] / positions, maxes[s], norms[s],
-                          positions) for s in order}
-    if not lm:
-        return stats, None, f"{total} inputs sampled from the evaluation seed"
-    ids = np.concatenate(tokens)
-    decoder = Tokens(cfg.model.path)
-    contexts = {s: _contexts(best[s], ids, decoder) for s in best}
-    return stats, contexts, (f"{total} held-out windows of {cfg.data.seq_len} tokens "
-                             f"({cfg.data.source}), {decoder.source}")
+    return sites, cofire_partners(o, C, cofire), (np.concatenate(tokens) if lm else None)
 
 
-def _merge_top(old: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
-               new: Sequence[Array], offset: int, k: int
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The running top k per component: (CI [C, k], global flat position [C, k], CI along
-    the position's window [C, k, T]), merged with a batch's (positions offset)."""
-    val, idx, along = (np.asarray(a) for a in new)
-    idx = idx.astype(np.int64) + offset
-    if old is not None:
-        val, idx, along = (np.concatenate([o, n], axis=1)
-                           for o, n in zip(old, (val, idx, along)))
-    order = np.argsort(-val, axis=1, kind="stable")[:, :k]
-    return (np.take_along_axis(val, order, 1), np.take_along_axis(idx, order, 1),
-            np.take_along_axis(along, order[..., None], 1))
+def cofire_zeros(run: LoadedRun, o: harvest.Options, C: dict[str, int]) -> tuple[Array, ...]:
+    """The co-firing counts of each group, zero, split along their rows like the
+    components along C."""
+    shard = NamedSharding(run.mesh, P(sharding.MODEL, None))
+    return tuple(jax.jit(lambda n=n: jnp.zeros((n, n), jnp.int32), out_shardings=shard)()
+                 for n, _ in harvest.cofire_shapes(o, C))
 
 
-def _contexts(best: tuple[np.ndarray, np.ndarray, np.ndarray], ids: np.ndarray,
-              decoder: Tokens) -> list[list[Context]]:
-    val, idx, along = best
+PARTNERS = 5  # co-firing partners shown per component
+
+
+def cofire_partners(o: harvest.Options, C: dict[str, int], cofire: Sequence[Array]
+                    ) -> dict[str, list[list[Partner]]]:
+    """Each component's PARTNERS most frequent co-firing components of its layer."""
+    out: dict[str, list[list[Partner]]] = {}
+    for group, counts in zip(o.groups, cofire):
+        owner = [(s, c) for s in group for c in range(C[s])]
+        if len(owner) < 2:
+            continue
+        p, idx = (np.asarray(a) for a in jax.jit(harvest.partners, static_argnums=1)(
+            counts, PARTNERS))
+        rows = [[Partner(*owner[j], float(q)) for q, j in zip(p[i], idx[i]) if q > 0]
+                for i in range(len(owner))]
+        start = 0
+        for s in group:
+            out[s], start = rows[start:start + C[s]], start + C[s]
+    return out
+
+
+def contexts_of(ranked: harvest.Ranked, ids: np.ndarray, decoder: Tokens,
+                fired_only: bool = False) -> list[list[Context]]:
+    """Each component's ranked positions as contexts (`fired_only`: a reservoir's unfilled
+    places, rank -1, left out)."""
+    _, idx, val, act, along = ranked
     T = ids.shape[1]
     out = []
     for c in range(val.shape[0]):
         row = []
-        for v, i, cis in zip(val[c], idx[c], along[c]):
+        for r, v, i, a, cis in zip(ranked[0][c], val[c], idx[c], act[c], along[c]):
+            if fired_only and r < 0:
+                continue
             w, t = divmod(int(i), T)
             lo, hi = max(t - CONTEXT_BEFORE, 0), min(t + CONTEXT_AFTER + 1, T)
             row.append(Context(float(v), w, t, decoder.pieces(ids[w, lo:hi]),
-                               [float(x) for x in cis[lo:hi]], t - lo, decoder.sep))
+                               [float(x) for x in cis[lo:hi]], t - lo, decoder.sep,
+                               float(a)))
         out.append(row)
     return out
 
@@ -306,10 +310,27 @@ def feature_ci(run: LoadedRun) -> dict[str, np.ndarray]:
 
 def analyse(run: LoadedRun, windows: int = 256, inputs: int = 8192, top_k: int = 5,
             batch_size: int | None = None,
-            progress: Callable[[int, int], None] | None = None) -> Analysis:
-    stats, contexts, data = component_stats(run, windows, inputs, top_k, batch_size, progress)
-    fci = None if reads_tokens(run.run) else feature_ci(run)
-    return Analysis(run, stats, contexts, fci, data)
+            progress: Callable[[int, int], None] | None = None, reservoir: int = 5,
+            cofire: bool = True) -> Analysis:
+    o = options(run.run, top_k, reservoir, cofire)
+    sites, partners, ids = component_stats(run, o, windows, inputs, batch_size, progress)
+    norms = weight_norms(run)
+    order = [s for s in site_names_of(run.config.model) if s in sites]  # canonical order
+    stats = {s: SiteStats(sites[s].fired / sites[s].positions,
+                          sites[s].sum / sites[s].positions, sites[s].max, norms[s],
+                          sites[s].positions, sites[s].hist) for s in order}
+    if ids is None:
+        return Analysis(run, stats, None, feature_ci(run), f"{inputs} inputs sampled from "
+                        "the evaluation seed", partners=partners)
+    decoder = Tokens(run.config.model.path)
+    tops = {s: contexts_of(sites[s].top, ids, decoder) for s in order if sites[s].top}
+    drawn = {s: contexts_of(sites[s].reservoir, ids, decoder, fired_only=True)
+             for s in order if sites[s].reservoir}
+    cfg = run.config
+    return Analysis(run, stats, tops or None, None,
+                    f"{windows} held-out windows of {cfg.data.seq_len} tokens "
+                    f"({cfg.data.source}), {decoder.source}", drawn or None,
+                    {s: sites[s].tokens for s in order if sites[s].tokens}, partners, decoder)
 
 
 # -- the report ------------------------------------------------------------------------------
@@ -438,13 +459,34 @@ def context_text(ctx: Context) -> str:
 
 def write_tables(a: Analysis, out: Path) -> list[Path]:
     """Every site's components as `out/components/<site>.parquet` (pdecomp.component_tables)."""
-    tables = {}
-    for site, st in a.stats.items():
-        ctx = (a.contexts or {}).get(site)
-        top = [[(c.ci, context_text(c)) for c in row] for row in ctx] if ctx else None
-        tables[site] = component_tables.site_table(st.freq, st.mean_ci, st.max_ci, st.norm,
-                                                   st.positions, top)
-    return component_tables.write(tables, out / "components")
+    tables = {s: component_tables.site_table(st.freq, st.mean_ci, st.max_ci, st.norm,
+                                             st.positions, st.hist, extra_columns(a, s))
+              for s, st in a.stats.items()}
+    return component_tables.write(tables, out / "components", harvest.HIST_EDGES)
+
+
+def extra_columns(a: Analysis, site: str) -> dict[str, Any]:
+    """A site's list columns: top and drawn contexts (text, the firing token in [[ ]], CI,
+    signed activation), input and next tokens (by count and by PMI), co-firing partners."""
+    import pyarrow as pa
+
+    cols: dict[str, Any] = {}
+    for name, ctx in (("top", a.contexts), ("sample", a.samples)):
+        if ctx and site in ctx:
+            cols[f"{name}_contexts"] = pa.array(
+                [[{"text": context_text(c), "ci": c.ci, "act": c.act} for c in row]
+                 for row in ctx[site]], pa.list_(component_tables.CONTEXT))
+    if a.tokens and site in a.tokens and a.decoder:
+        for kind in ("input", "next"):
+            for by in ("count", "pmi"):
+                rows = a.tokens[site].rows(kind, TOKENS_SHOWN, by)
+                cols[f"{kind}_tokens" + ("_pmi" if by == "pmi" else "")] = pa.array(
+                    [[{**r.__dict__, "token": a.decoder.decode(r.token), "id": r.token}
+                      for r in row] for row in rows], pa.list_(component_tables.TOKEN))
+    if a.partners and site in a.partners:
+        cols["cofire"] = pa.array([[p.__dict__ for p in row] for row in a.partners[site]],
+                                  pa.list_(component_tables.PARTNER))
+    return cols
 
 
 def write_report(a: Analysis, run_dir: Path, gate: dict[str, Any] | None = None) -> Path:
@@ -480,6 +522,12 @@ def parser() -> Parser:
     p.add_argument("run_dir", help="a run directory (config.yaml and checkpoints/)")
     p.add_argument("--top-k", type=int, default=5,
                    help="language models: top activating contexts per component (default 5)")
+    p.add_argument("--reservoir", type=int, default=5,
+                   help="language models: firing contexts per component drawn uniformly "
+                        "among all its firings (default 5)")
+    p.add_argument("--no-cofire", action="store_true",
+                   help="skip the co-firing counts within each layer ([sum C, sum C] per "
+                        "layer, split over the devices)")
     p.add_argument("--windows", type=int, default=256,
                    help="language models: held-out token windows to analyse (default 256)")
     p.add_argument("--inputs", type=int, default=8192,
@@ -497,10 +545,12 @@ def parser() -> Parser:
 
 def _bad_flag(args: Any) -> str | None:
     """The first flag out of range, as its one line."""
-    for name in ("top_k", "windows", "inputs", "batch_size", "devices", "hbm_cap_gib"):
+    for name in ("top_k", "reservoir", "windows", "inputs", "batch_size", "devices",
+                 "hbm_cap_gib"):
         value = getattr(args, name)
-        if value is not None and value < (0 if name == "top_k" else 1e-9):
-            floor = ">= 0" if name == "top_k" else "> 0"
+        zero_ok = name in ("top_k", "reservoir")
+        if value is not None and value < (0 if zero_ok else 1e-9):
+            floor = ">= 0" if zero_ok else "> 0"
             return f"pdecomp analyze: --{name.replace('_', '-')}={value} must be {floor}"
     return None
 
@@ -512,9 +562,8 @@ def gated_run(args: Any, log: Callable[[str], None]) -> tuple[LoadedRun, dict[st
     plan = resolve(read_config(run_dir))
     checkpoints_of(run_dir)  # before the gate's compile: a run with nothing to read
     mesh = analysis_mesh(args.devices)
-    lm = reads_tokens(plan)
-    report = analysis_gate.gate(plan, mesh, reduce_fn(plan.loss.ci_threshold,
-                                                      args.top_k if lm else 0),
+    report = analysis_gate.gate(plan, mesh, options(plan, args.top_k, args.reservoir,
+                                                    not args.no_cofire),
                                 args.batch_size or plan.data.batch_size, args.hbm_cap_gib)
     if not report["fits"]:
         raise GateRefused(report)
@@ -545,7 +594,8 @@ def main(argv: Sequence[str],
     total = args.windows if lm else args.inputs
     update, stop = progress_bar(total, "held-out windows" if lm else "inputs")
     try:
-        a = analyse(run, args.windows, args.inputs, args.top_k, args.batch_size, update)
+        a = analyse(run, args.windows, args.inputs, args.top_k, args.batch_size, update,
+                    args.reservoir, not args.no_cofire)
     finally:
         stop()
     index = write_report(a, run.run_dir, report)

@@ -27,12 +27,18 @@ def wilson_upper(fired: np.ndarray, n: int, z: float = Z95) -> np.ndarray:
     return np.minimum((centre + spread) / (1 + z * z / n), 1.0)
 
 
+TOKEN = pa.struct([("token", pa.string()), ("id", pa.int64()), ("count", pa.int64()),
+                   ("precision", pa.float64()), ("recall", pa.float64()), ("pmi", pa.float64())])
+PARTNER = pa.struct([("site", pa.string()), ("component", pa.int64()), ("p", pa.float64())])
+CONTEXT = pa.struct([("text", pa.string()), ("ci", pa.float64()), ("act", pa.float64())])
+
+
 def site_table(freq: np.ndarray, mean_ci: np.ndarray, max_ci: np.ndarray, norm: np.ndarray,
-               positions: int, contexts: Sequence[Sequence[tuple[float, str]]] | None
+               positions: int, hist: np.ndarray, extra: dict[str, pa.Array] | None = None
                ) -> pa.Table:
-    """One row per component: how often it fires (and the bound), its CI, its weight's
-    norm and, for a language model, its top contexts (text, the firing token in [[ ]])
-    with their CI."""
+    """One row per component: how often it fires (and the bound), its CI (and their
+    histogram, `ci_hist`), its weight's norm, and the `extra` columns (lists per component:
+    contexts, tokens, co-firing partners)."""
     fired = np.rint(freq * positions).astype(np.int64)
     columns = {
         "component": np.arange(len(freq), dtype=np.int32),
@@ -44,12 +50,9 @@ def site_table(freq: np.ndarray, mean_ci: np.ndarray, max_ci: np.ndarray, norm: 
         "max_ci": max_ci.astype(np.float64),
         "norm": norm.astype(np.float64),
         "dead": fired == 0,
+        "ci_hist": pa.array(list(hist.astype(np.int64)), pa.list_(pa.int64())),
+        **(extra or {}),
     }
-    if contexts is not None:
-        columns["top_context"] = pa.array([[t for _, t in c] for c in contexts],
-                                          pa.list_(pa.string()))
-        columns["top_ci"] = pa.array([[v for v, _ in c] for c in contexts],
-                                     pa.list_(pa.float64()))
     return pa.table(columns)
 
 
@@ -59,12 +62,16 @@ def file_name(site: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "-", site) + ".parquet"
 
 
-def write(tables: dict[str, pa.Table], out: Path) -> list[Path]:
-    """Each site's table as `out/<site>.parquet`, with the site named in its metadata."""
+def write(tables: dict[str, pa.Table], out: Path, hist_edges: Sequence[float]
+          ) -> list[Path]:
+    """Each site's table as `out/<site>.parquet`, with the site and the CI histogram's bin
+    edges in its metadata."""
     out.mkdir(parents=True, exist_ok=True)
     paths = []
+    edges = ",".join(repr(float(e)) for e in hist_edges)
     for site, table in tables.items():
         path = out / file_name(site)
-        pq.write_table(table.replace_schema_metadata({"site": site}), path)
+        pq.write_table(table.replace_schema_metadata({"site": site, "ci_hist_edges": edges}),
+                       path)
         paths.append(path)
     return paths

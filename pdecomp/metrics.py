@@ -27,10 +27,17 @@ def causal_importances(target, components: Components, ci_fn, x: Array) -> dict[
 
 def ci_logits(target, components: Components, ci_fn, x: Array) -> dict[str, Array]:
     """The CI function's logits per site for inputs x, before the clamp to [0, 1]."""
+    return inputs_and_ci_logits(target, components, ci_fn, x)[1]
+
+
+def inputs_and_ci_logits(target, components: Components, ci_fn, x: Array
+                         ) -> tuple[dict[str, Array], dict[str, Array]]:
+    """Each site's input (what its linear reads) and the CI function's logits on them."""
     record: dict[str, Array] = {}
     prefix, suffix = target.split(tuple(components.sites), jnp.float32)
     suffix(prefix(x), recording_linear(record, components.sites))
-    return ci_fn({s: record[s] for s in components.sites}, components)
+    inputs = {s: record[s] for s in components.sites}
+    return inputs, ci_fn(inputs, components)
 
 
 MASK_KINDS = ("ci", "unmasked", "stochastic", "random", "rounded", "zero")

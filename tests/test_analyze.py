@@ -15,9 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from conftest import leet, ok, pdecomp
+from conftest import PDECOMP, leet, ok, pdecomp
 
 from pdecomp import analyze, metrics
+from pdecomp.ci import ci_lower
+from pdecomp.components import Components, SiteComponents
 from pdecomp.lm import token_stream
 from pdecomp.runs import load_run
 
@@ -115,10 +117,10 @@ def test_lm_report_matches_a_direct_recomputation(lm_report: Path, cache) -> Non
     bound = np.array(t["frequency_upper95"])
     assert (bound >= np.array(t["frequency"])).all() and (bound <= 1).all()
     assert np.allclose(bound[fired == 0], 1.959964**2 / (n + 1.959964**2))  # about 3.8 / n
-    assert t["top_ci"][firing][0] == pytest.approx(mx[firing], abs=1e-3)
-    assert t["top_ci"][firing] == sorted(t["top_ci"][firing], reverse=True)
-    assert all(c.count("[[") == 1 for c in t["top_context"][firing])
-    assert len(t["top_context"][firing]) == 3
+    top = [c["ci"] for c in t["top_contexts"][firing]]
+    assert top[0] == pytest.approx(mx[firing], abs=1e-3) and top == sorted(top, reverse=True)
+    assert all(c["text"].count("[[") == 1 for c in t["top_contexts"][firing])
+    assert len(top) == 3
     assert all(r[5] == "never fires" for r, f in zip(rows, freq) if f == 0)
 
 
@@ -298,15 +300,21 @@ def test_the_plots_are_logged_to_the_runs_wandb(tms_report: Path, lm_report: Pat
 def test_top_contexts_rank_saturated_ci_by_its_logit(monkeypatch) -> None:
     """A component whose CI is 1 at several positions: the top positions are those of its
     largest logits, not the first positions met."""
+    from pdecomp import harvest
+
     logits = jnp.array([[[1.5], [3.0], [0.5], [2.0], [-1.0]]])  # [rows 1, T 5, C 1]
-    monkeypatch.setattr(metrics, "ci_logits", lambda *a: {"s": logits})
-    reduce = analyze._batch_reduce(0.1, 2)
-    total, active, vmax, val, idx, along = reduce(None, None, None, None)["s"]
-    assert float(total[0]) == 3.5
+    x = jnp.ones((1, 5, 2))
+    comps = Components({"s": SiteComponents(jnp.ones((2, 1)), jnp.ones((1, 3)))})
+    monkeypatch.setattr(metrics, "inputs_and_ci_logits", lambda *a: ({"s": x}, {"s": logits}))
+    step = jax.jit(harvest.step_fn(harvest.Options(0.1, top_k=2)))
+    out, _ = step(None, comps, None, None, jax.random.PRNGKey(0), ())
+    _, idx, val, act, along = out["s"]["top"]
+    assert float(out["s"]["sum"][0]) == 3.5
     assert np.asarray(idx).tolist() == [[1, 3]]  # logits 3.0 and 2.0; clamped, all tie at 1
     assert np.asarray(val).tolist() == [[1.0, 1.0]]
-    assert float(vmax[0]) == 1.0 and int(active[0]) == 4
+    assert float(out["s"]["max"][0]) == 1.0 and int(out["s"]["fired"][0]) == 4
     np.testing.assert_allclose(np.asarray(along)[0, 0], [1.0, 1.0, 0.5, 1.0, 0.0])
+    np.testing.assert_allclose(np.asarray(act), 2 * np.sqrt(3))  # (x . V) ||U||
 
 
 def test_component_and_feature_axes_tick_at_integers(monkeypatch, tmp_path: Path) -> None:
@@ -455,3 +463,169 @@ def test_prompt_shows_the_components_firing_at_each_token(lm_report: Path, tmp_p
     for args in (["some text"], ["--ids", "1,x"], ["--ids", "100000"], []):
         proc = pdecomp(["prompt", str(lm_report), *args], tmp_path, env)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, args
+
+
+def _direct(run, windows: int) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The fixture's held-out windows, and each site's CI and signed activation at every
+    position [positions, C], computed at once from the loaded run."""
+    B = run.config.data.batch_size
+    stream = token_stream(run.config.model, run.config.data, run.config.seed, held_out=True)
+    ids = np.concatenate([stream.rows(i, B) for i in range(windows // B)])
+    inputs, logits = metrics.inputs_and_ci_logits(run.target, run.components, run.ci_fn,
+                                                  jnp.asarray(ids))
+    ci, act = {}, {}
+    for s, logit in logits.items():
+        C = logit.shape[-1]
+        ci[s] = np.asarray(ci_lower(logit)).reshape(-1, C)
+        comp = run.components.sites[s]
+        act[s] = (np.asarray(inputs[s]).reshape(-1, comp.V.shape[0]) @ np.asarray(comp.V)
+                  * np.linalg.norm(np.asarray(comp.U), axis=1))
+    return ids, ci, act
+
+
+@pytest.mark.slow  # shares the llama_tiny run
+def test_every_statistic_matches_a_direct_recomputation(lm_report: Path) -> None:
+    """The CI histogram, the top and drawn contexts with their signed activation, the
+    input and next tokens (count, precision, recall, PMI) and the co-firing partners of
+    the Parquet tables, each against the same quantity computed directly."""
+    from pdecomp import harvest
+
+    run = load_run(lm_report)
+    ids, ci, act = _direct(run, 64)
+    thr, edges = run.config.loss.ci_threshold, harvest.HIST_EDGES
+    table = pq.read_table(lm_report / "analysis" / "components" / f"{SITE}.parquet")
+    assert table.schema.metadata[b"ci_hist_edges"].decode() == ",".join(
+        repr(float(e)) for e in edges)
+    t = table.to_pylist()
+    v, a = ci[SITE], act[SITE]
+    fired = v > thr
+    bins = np.clip(np.searchsorted(edges, v, side="right") - 1, 0, len(edges) - 2)
+    for c, row in enumerate(t):
+        assert row["ci_hist"] == np.bincount(bins[:, c], minlength=len(edges) - 1).tolist()
+    firing = [c for c in range(v.shape[1]) if fired[:, c].sum() >= 3]
+    assert len(firing) > 10
+    flat_ids, T = ids.reshape(-1), ids.shape[1]
+    for c in firing[:20]:
+        row = t[c]
+        for ctx in row["top_contexts"]:  # each at a position with that CI and activation
+            assert np.isclose(v[:, c], ctx["ci"], atol=1e-5).any()
+        top_pos = np.argsort(-v[:, c], kind="stable")[:3]
+        if v[top_pos[-1], c] < 1:  # unsaturated: the order of the CI is the logit's
+            np.testing.assert_allclose([x["act"] for x in row["top_contexts"]],
+                                       a[top_pos, c], rtol=1e-3, atol=1e-4)
+        drawn = row["sample_contexts"]
+        assert len(drawn) == min(5, fired[:, c].sum())
+        for ctx in drawn:
+            match = fired[:, c] & np.isclose(v[:, c], ctx["ci"], atol=1e-5) & np.isclose(
+                a[:, c], ctx["act"], rtol=1e-3, atol=1e-4)
+            assert match.any(), (c, ctx)
+        _check_tokens(row["input_tokens"], flat_ids[fired[:, c]], flat_ids)
+        has_next = np.arange(len(flat_ids)) % T < T - 1
+        nxt = np.roll(flat_ids, -1)
+        _check_tokens(row["next_tokens"], nxt[fired[:, c] & has_next], nxt[has_next])
+        _check_tokens(row["input_tokens_pmi"], flat_ids[fired[:, c]], flat_ids, by_pmi=True)
+
+    # co-firing within layer 1 (its three MLP sites), P(d fires | c fires)
+    group = [s for s in run.config.layers.sites if s.startswith("layers.1.")]
+    masks = np.concatenate([ci[s] > thr for s in group], axis=1).astype(np.int64)
+    co = masks.T @ masks
+    start = group.index(SITE) * v.shape[1]
+    owner = [(s, k) for s in group for k in range(ci[s].shape[1])]
+    for c in firing[:20]:
+        p = co[start + c] / co[start + c, start + c]
+        p[start + c] = -1
+        best = np.sort(p)[::-1][:5]
+        got = t[c]["cofire"]
+        np.testing.assert_allclose([x["p"] for x in got], best[best > 0], rtol=1e-6)
+        for x in got:
+            assert p[owner.index((x["site"], x["component"]))] == pytest.approx(x["p"])
+
+
+def _check_tokens(rows: list[dict], at_fired: np.ndarray, everywhere: np.ndarray,
+                  by_pmi: bool = False) -> None:
+    """A component's token list against counts made directly: each entry's count,
+    precision, recall and PMI, and the list is the best by count (or by PMI)."""
+    counts = np.bincount(at_fired, minlength=everywhere.max() + 1)
+    totals = np.bincount(everywhere, minlength=len(counts))
+    n, fired = len(everywhere), len(at_fired)
+    pmi = np.log(np.maximum(counts, 1e-300) / fired / (np.maximum(totals, 1) / n))
+    for r in rows:
+        k = counts[r["id"]]
+        assert r["count"] == k and r["precision"] == pytest.approx(k / fired)
+        assert r["recall"] == pytest.approx(k / totals[r["id"]])
+        assert r["pmi"] == pytest.approx(pmi[r["id"]])
+        assert isinstance(r["token"], str)
+    if by_pmi:
+        eligible = np.sort(pmi[counts >= 3])[::-1]
+        np.testing.assert_allclose([r["pmi"] for r in rows], eligible[:len(rows)], rtol=1e-9)
+        assert len(rows) == min(8, len(eligible))
+    else:
+        assert [r["count"] for r in rows] == sorted(counts[counts > 0])[::-1][:8]
+
+
+@pytest.fixture(scope="module")
+def viewer(lm_report: Path, env: dict[str, str]):
+    """`pdecomp view` on the llama_tiny run's analysis, on a free port: its address."""
+    proc = subprocess.Popen([PDECOMP, "view", str(lm_report), "--port", "0"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = proc.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:"), (url, proc.stderr.read())
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def view_rows(chromium: str, url: str, tmp: Path) -> tuple[str, list[int]]:
+    """The viewer's page at `url` after its script has fetched and drawn: the DOM and the
+    components it shows, in order."""
+    dom = browse(chromium, url, tmp, "--dump-dom", "--virtual-time-budget=20000")
+    assert "data-shown=" in dom, dom[-2000:]
+    return dom, [int(c) for c in re.findall(r'data-component="(\d+)"', dom)]
+
+
+@pytest.mark.slow  # shares the llama_tiny run
+def test_the_viewer_pages_sorts_and_searches_in_a_browser(chromium: str, lm_report: Path,
+                                                           viewer: str, tmp_path: Path) -> None:
+    table = pq.read_table(lm_report / "analysis" / "components" / f"{SITE}.parquet")
+    rows = table.to_pylist()
+    C, per = len(rows), 24
+    seen = []
+    for page in range(-(-C // per)):  # every component of the site, page by page
+        _, shown = view_rows(chromium, f"{viewer}#site={SITE}&page={page}&per={per}", tmp_path)
+        assert len(shown) == min(per, C - page * per)
+        seen += shown
+    assert seen == list(range(C))
+
+    _, shown = view_rows(chromium, f"{viewer}#site={SITE}&sort=frequency&order=desc&per={C}",
+                         tmp_path)
+    freq = {r["component"]: r["frequency"] for r in rows}
+    assert [freq[c] for c in shown] == sorted(freq.values(), reverse=True)
+
+    # found by a token it fires on: the component whose top input token is the rarest
+    # among the components (so the search names few)
+    firing = [r for r in rows if r["input_tokens"]]
+    target = min(firing, key=lambda r: sum(
+        any(t["token"].strip() == r["input_tokens"][0]["token"].strip() for t in o["input_tokens"])
+        for o in firing))
+    word = target["input_tokens"][0]["token"].strip() or target["input_tokens"][0]["token"]
+    from urllib.parse import quote
+
+    _, shown = view_rows(chromium, f"{viewer}#site={SITE}&q={quote(word)}&per={C}", tmp_path)
+    assert target["component"] in shown and len(shown) < C
+
+    # every statistic of one component on its row
+    c = target["component"]
+    dom, shown = view_rows(chromium, f"{viewer}#site={SITE}&q=%23{c}", tmp_path)
+    assert shown == [c]
+    row = re.search(rf'<tr[^>]*data-component="{c}".*?</tr>', dom, re.DOTALL).group(0)
+    assert f"{target['fired']} of {target['positions']}" in row  # frequency and its bound
+    assert row.count('title="CI in [') == len(target["ci_hist"])  # the histogram's bins
+    assert row.count('class="ctx"') == len(target["top_contexts"]) + len(
+        target["sample_contexts"])  # top and drawn contexts, the firing token in <b>
+    assert row.count("<b>") == row.count('class="ctx"')
+    assert row.count('class="tok"') == sum(len(target[k]) for k in (
+        "input_tokens", "input_tokens_pmi", "next_tokens"))
+    for p in target["cofire"]:
+        assert f"{p['site']} #{p['component']}" in row

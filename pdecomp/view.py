@@ -1,0 +1,176 @@
+"""`pdecomp view <run_dir>`: a small local web viewer of an analysed run's components.
+
+It serves one page and two JSON endpoints over the Parquet tables `pdecomp analyze`
+wrote (`<run_dir>/analysis/components/<site>.parquet`): the sites, and one page of a
+site's components, sorted by a column and filtered by a search (a component's number, or
+a token it fires on or that follows it). Only the site asked for is read, and only one
+page of it goes to the browser: a site of 49,152 components pages like one of 64.
+The page keeps its state in the address (`#site=...&page=...&sort=...&q=...`), so a view
+can be bookmarked, shared, or opened by a test.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import threading
+from collections.abc import Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pdecomp.commands import Parser, refuse
+
+SORTABLE = ("component", "frequency", "fired", "mean_ci", "max_ci", "norm")
+TOKEN_COLUMNS = ("input_tokens", "input_tokens_pmi", "next_tokens", "next_tokens_pmi")
+PER_PAGE = 50
+PAGE_HTML = Path(__file__).with_name("view.html")
+
+
+class Tables:
+    """The analysis's Parquet tables, one site at a time (the last few kept)."""
+
+    def __init__(self, components_dir: Path):
+        self.dir = components_dir
+        self.files = {pq.read_schema(p).metadata[b"site"].decode(): p
+                      for p in sorted(components_dir.glob("*.parquet"))}
+        self._read = functools.lru_cache(maxsize=4)(self._read_site)
+
+    def _read_site(self, site: str) -> pa.Table:
+        return pq.read_table(self.files[site])
+
+    def sites(self) -> list[dict[str, Any]]:
+        """Per site: C, how many fire, how many positions were read (two columns only)."""
+        out = []
+        for site, path in self.files.items():
+            t = pq.read_table(path, columns=["dead", "positions"])
+            dead = pc.sum(t["dead"]).as_py() or 0
+            out.append({"site": site, "C": t.num_rows, "firing": t.num_rows - dead,
+                        "dead": dead, "positions": t["positions"][0].as_py()})
+        return out
+
+    def page(self, site: str, page: int, per: int, sort: str, desc: bool, q: str
+             ) -> dict[str, Any]:
+        """One page of a site's components, sorted and filtered."""
+        t = self._read(site)
+        if q:
+            t = t.filter(matches(t, q))
+        t = t.sort_by([(sort, "descending" if desc else "ascending"),
+                       ("component", "ascending")])
+        rows = t.slice(page * per, per).to_pylist()
+        edges = pq.read_schema(self.files[site]).metadata.get(b"ci_hist_edges", b"").decode()
+        return {"site": site, "total": t.num_rows, "page": page, "per": per,
+                "pages": max(-(-t.num_rows // per), 1), "rows": rows,
+                "hist_edges": [float(e) for e in edges.split(",") if e]}
+
+
+def matches(t: pa.Table, q: str) -> pa.Array:
+    """Rows of component `#q`; else rows with a token containing `q` (case and surrounding
+    spaces ignored) among those it fires on or that follow it, and, where `q` is a number,
+    component `q` (a run without a tokenizer shows its tokens as numbers too)."""
+    q = q.strip()
+    if q.startswith("#") and q[1:].isdigit():
+        return pc.equal(t["component"], int(q[1:]))
+    want = q.lower()
+    columns = [c for c in TOKEN_COLUMNS if c in t.column_names]
+    hits = pa.array([any(want in (tok["token"] or "").strip().lower()
+                         for col in columns for tok in row[col] or ())
+                     for row in t.select(columns).to_pylist()], pa.bool_())
+    if q.isdigit():
+        hits = pc.or_(hits, pc.equal(t["component"], int(q)))
+    return hits
+
+
+def handler(tables: Tables, run_name: str) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            url = urlparse(self.path)
+            args = {k: v[-1] for k, v in parse_qs(url.query).items()}
+            try:
+                if url.path == "/":
+                    body = PAGE_HTML.read_text(encoding="utf-8").replace(
+                        "__RUN__", json.dumps(run_name))
+                    return self.send(200, body.encode(), "text/html; charset=utf-8")
+                if url.path == "/api/sites":
+                    return self.json(tables.sites())
+                if url.path == "/api/components":
+                    return self.json(components(tables, args))
+            except (KeyError, ValueError) as e:
+                return self.send(400, json.dumps({"error": str(e)}).encode(),
+                                 "application/json")
+            self.send(404, b"not found", "text/plain")
+
+        def json(self, data: Any) -> None:
+            self.send(200, json.dumps(data, default=float).encode(), "application/json")
+
+        def send(self, code: int, body: bytes, kind: str) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: Any) -> None:  # quiet: the terminal shows the address
+            pass
+
+    return Handler
+
+
+def components(tables: Tables, args: dict[str, str]) -> dict[str, Any]:
+    """The /api/components query: site, page, per, sort, order (asc, desc), q."""
+    site = args["site"]
+    if site not in tables.files:
+        raise KeyError(f"no site {site!r}")
+    sort = args.get("sort", "component")
+    if sort not in SORTABLE:
+        raise ValueError(f"sort={sort!r}: one of {', '.join(SORTABLE)}")
+    per = min(max(int(args.get("per", PER_PAGE)), 1), 1000)
+    return tables.page(site, max(int(args.get("page", 0)), 0), per, sort,
+                       args.get("order", "asc") == "desc", args.get("q", ""))
+
+
+def parser() -> Parser:
+    p = Parser(prog="pdecomp view",
+               description="Serve a local web viewer of an analysed run's components "
+                           "(`pdecomp analyze` first): pages, sorts and searches each site.")
+    p.add_argument("run_dir", help="a run directory analysed by `pdecomp analyze`")
+    p.add_argument("--port", type=int, default=8765, help="0: any free port (default 8765)")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    return p
+
+
+def serve(run_dir: Path, host: str, port: int) -> ThreadingHTTPServer:
+    tables = Tables(run_dir / "analysis" / "components")
+    return ThreadingHTTPServer((host, port), handler(tables, run_dir.name))
+
+
+def main(argv: Sequence[str], ready: threading.Event | None = None) -> int:
+    args = parser().parse_args(argv)
+    run_dir = Path(args.run_dir).absolute()
+    found = list((run_dir / "analysis" / "components").glob("*.parquet"))
+    if not found:
+        return refuse("pdecomp view", f"{run_dir}: no analysis/components/*.parquet (run "
+                      "`pdecomp analyze` on it first)")
+    if not 0 <= args.port < 65536:
+        return refuse("pdecomp view", f"--port={args.port} must be in 0..65535")
+    server = serve(run_dir, args.host, args.port)
+    print(f"http://{args.host}:{server.server_address[1]}/", flush=True)
+    if ready:
+        ready.set()
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
