@@ -21,23 +21,42 @@ from pdecomp import hardware, harvest
 from pdecomp.components import with_tied
 from pdecomp.resolve import Run
 from pdecomp.runs import placed_abstract
-from pdecomp.sharding import MODEL
+from pdecomp.sharding import AXIS, MODEL
 from pdecomp.units import fmt_bytes
 
 
-def analysis_cap(run: Run, mesh: Mesh, cap_gib: float | None) -> tuple[int, str]:
-    """The per-device cap: `cap_gib`, else the run's `memory.hbm_cap_gib`, else what the
-    devices analysed on hold (gate.device_cap_bytes)."""
+def analysis_cap(run: Run, mesh: Mesh, cap_gib: float | None, target: str | None
+                 ) -> tuple[int, str]:
+    """The per-device cap: `cap_gib`, else the run's `memory.hbm_cap_gib`, else (deviceless,
+    `target` a GPU kind) the card's memory x the usable fraction a job on it has, else what
+    the devices analysed on hold (gate.device_cap_bytes)."""
     mem = run.memory
     gib = mem.hbm_cap_gib if cap_gib is None else cap_gib
+    usable = hardware.usable_memory(mem.safety_fraction)
+    if target and gib <= 0:
+        spec = hardware.GPUS[target]
+        return (int(spec.memory_bytes * usable.fraction),
+                f"{target} {spec.memory_gib:.1f} GiB x {usable.fraction}")
+    if target:
+        return int(gib * 2**30), ("--hbm-cap-gib" if cap_gib is not None
+                                  else "memory.hbm_cap_gib")
     cap, source = gate_lib.device_cap_bytes(mesh.devices.flat[0], gib, mem.safety_fraction,
-                                            hardware.usable_memory(mem.safety_fraction))
+                                            usable)
     return cap, ("--hbm-cap-gib" if cap_gib is not None else source)
 
 
+def target_mesh(target: str, devices: int, gpus_per_host: int) -> Mesh:
+    """`devices` compile-only GPUs of kind `target`, `gpus_per_host` to a host, as the
+    analysis mesh (the model axis spanning them all)."""
+    per_host = min(gpus_per_host, devices)
+    return hardware.topology_mesh(target, devices // per_host, per_host,
+                                  ((AXIS, 1), (MODEL, devices)))
+
+
 def gate(run: Run, mesh: Mesh, o: harvest.Options, batch_size: int,
-         cap_gib: float | None) -> dict[str, Any]:
-    """The analysis step's gate report on `mesh` (fits: its peak is under the cap)."""
+         cap_gib: float | None, target: str | None = None) -> dict[str, Any]:
+    """The analysis step's gate report on `mesh` (fits: its peak is under the cap);
+    `target`: the GPU kind of a deviceless mesh."""
     target_abs, state_abs = placed_abstract(run, mesh)
     batch = run.kind.batch_abstract(run.model, run.data, batch_size, NamedSharding(mesh, P()))
     tied, step = dict(run.tied), harvest.step_fn(o)
@@ -52,12 +71,12 @@ def gate(run: Run, mesh: Mesh, o: harvest.Options, batch_size: int,
                       ) -> Any:
         return step(target, with_tied(components, tied), ci_fn, x, k, co)
 
-    cap, source = analysis_cap(run, mesh, cap_gib)
-    device = mesh.devices.flat[0]
+    cap, source = analysis_cap(run, mesh, cap_gib, target)
+    where = f"{target} (deviceless)" if target else mesh.devices.flat[0].platform
     _, report = gate_lib.compile_and_report(
         analysis_step, (target_abs, state_abs.components, state_abs.ci_fn, batch, key, cofire),
-        cap_bytes=cap, cap_source=source,
-        target=f"analysis on {mesh.size} {device.platform} device(s)", mesh=dict(mesh.shape))
+        donate_argnums=(5,), cap_bytes=cap, cap_source=source,  # as analyze's step donates
+        target=f"analysis on {mesh.size} {where} device(s)", mesh=dict(mesh.shape))
     return {**report, "batch_size": batch_size}
 
 

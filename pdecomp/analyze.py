@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import html
+import json
 import math
 import shutil
 import sys
@@ -35,6 +36,7 @@ from jaxtyping import Array
 from pdecomp import (
     analysis_gate,
     component_tables,
+    hardware,
     harvest,
     metrics,
     plots,
@@ -75,6 +77,9 @@ class SiteStats:
     norm: np.ndarray  # ‖V[:, c]‖·‖U[c]‖, the Frobenius norm of the rank-one weight
     positions: int  # how many positions (token positions, toy inputs) were analysed
     hist: np.ndarray  # [C, bins]: positions per CI bin (harvest.HIST_EDGES)
+    # LMs: the CE change (summed over the window, first order) of ablating the component
+    # at one of its firing positions, on average; NaN where it never fires
+    ablation: np.ndarray | None = None
 
     @property
     def dead(self) -> int:
@@ -142,7 +147,7 @@ def options(run: Run, top_k: int, reservoir: int, cofire: bool) -> harvest.Optio
     lm = reads_tokens(run)
     return harvest.Options(
         run.loss.ci_threshold, top_k if lm else 0, reservoir if lm else 0,
-        harvest.layer_groups(tuple(run.sites)) if cofire else (), lm)
+        harvest.layer_groups(tuple(run.sites)) if cofire else (), lm, lm)
 
 
 def reads_tokens(run: Run) -> bool:
@@ -151,11 +156,12 @@ def reads_tokens(run: Run) -> bool:
     return run.kind.tokens_per_example(run.data) > 0
 
 
-def _lm_windows(run: LoadedRun, windows: int, batch_size: int) -> Iterator[np.ndarray]:
-    """The held-out windows the final evaluation reads, `batch_size` at a time (the last
-    batch shorter)."""
+def _lm_windows(run: LoadedRun, windows: int, batch_size: int, split: str = "held_out"
+                ) -> Iterator[np.ndarray]:
+    """The windows of `split` (held_out: those the final evaluation reads; train: the
+    training stream's, from its first step), `batch_size` at a time (the last shorter)."""
     cfg = run.config
-    stream = token_stream(cfg.model, cfg.data, cfg.seed, held_out=True)
+    stream = token_stream(cfg.model, cfg.data, cfg.seed, held_out=split == "held_out")
     B = run.config.data.batch_size
     # Window w is row w % B of evaluation batch w // B: the first data.eval_batches * B
     # windows are the very ones the final evaluation read.
@@ -217,8 +223,8 @@ class Tokens:
 
 def component_stats(run: LoadedRun, o: harvest.Options, windows: int = 256,
                     inputs: int = 8192, batch_size: int | None = None,
-                    progress: Callable[[int, int], None] | None = None
-                    ) -> tuple[dict[str, harvest.SiteHarvest], dict[str, list[list[Partner]]],
+                    progress: Callable[[int, int], None] | None = None,
+                    split: str = "held_out") -> tuple[dict[str, harvest.SiteHarvest], dict[str, list[list[Partner]]],
                                np.ndarray | None]:
     """One pass over `windows` held-out windows (Llama) or `inputs` sampled inputs (toys),
     in batches on the run's devices; `progress(done, total)` after each batch. Returns each
@@ -228,7 +234,7 @@ def component_stats(run: LoadedRun, o: harvest.Options, windows: int = 256,
     total = windows if lm else inputs
     if total <= 0:
         raise ValueError(f"nothing to analyse: {total} {'windows' if lm else 'inputs'}")
-    batches = _lm_windows(run, windows, B) if lm else _toy_inputs(run, inputs, B)
+    batches = _lm_windows(run, windows, B, split) if lm else _toy_inputs(run, inputs, B)
     C = {s: c.V.shape[1] for s, c in run.components.sites.items()}
     vocab = arch(run.config.model).vocab_size if lm else 0
     sites = {s: harvest.SiteHarvest(C[s], o, vocab) for s in C}
@@ -279,6 +285,14 @@ def cofire_partners(o: harvest.Options, C: dict[str, int], cofire: Sequence[Arra
     return out
 
 
+def per_firing(h: harvest.SiteHarvest) -> np.ndarray | None:
+    """The summed ablation effect per firing position (NaN where it never fires)."""
+    if h.ablation is None:
+        return None
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(h.fired > 0, h.ablation / h.fired, np.nan)
+
+
 def contexts_of(ranked: harvest.Ranked, ids: np.ndarray, decoder: Tokens,
                 fired_only: bool = False) -> list[list[Context]]:
     """Each component's ranked positions as contexts (`fired_only`: a reservoir's unfilled
@@ -311,14 +325,16 @@ def feature_ci(run: LoadedRun) -> dict[str, np.ndarray]:
 def analyse(run: LoadedRun, windows: int = 256, inputs: int = 8192, top_k: int = 5,
             batch_size: int | None = None,
             progress: Callable[[int, int], None] | None = None, reservoir: int = 5,
-            cofire: bool = True) -> Analysis:
+            cofire: bool = True, split: str = "held_out") -> Analysis:
     o = options(run.run, top_k, reservoir, cofire)
-    sites, partners, ids = component_stats(run, o, windows, inputs, batch_size, progress)
+    sites, partners, ids = component_stats(run, o, windows, inputs, batch_size, progress,
+                                           split)
     norms = weight_norms(run)
     order = [s for s in site_names_of(run.config.model) if s in sites]  # canonical order
     stats = {s: SiteStats(sites[s].fired / sites[s].positions,
                           sites[s].sum / sites[s].positions, sites[s].max, norms[s],
-                          sites[s].positions, sites[s].hist) for s in order}
+                          sites[s].positions, sites[s].hist, per_firing(sites[s]))
+             for s in order}
     if ids is None:
         return Analysis(run, stats, None, feature_ci(run), f"{inputs} inputs sampled from "
                         "the evaluation seed", partners=partners)
@@ -328,7 +344,7 @@ def analyse(run: LoadedRun, windows: int = 256, inputs: int = 8192, top_k: int =
              for s in order if sites[s].reservoir}
     cfg = run.config
     return Analysis(run, stats, tops or None, None,
-                    f"{windows} held-out windows of {cfg.data.seq_len} tokens "
+                    f"{windows} {split.replace('_', '-')} windows of {cfg.data.seq_len} tokens "
                     f"({cfg.data.source}), {decoder.source}", drawn or None,
                     {s: sites[s].tokens for s in order if sites[s].tokens}, partners, decoder)
 
@@ -471,6 +487,8 @@ def extra_columns(a: Analysis, site: str) -> dict[str, Any]:
     import pyarrow as pa
 
     cols: dict[str, Any] = {}
+    if a.stats[site].ablation is not None:
+        cols["ablation_dce"] = pa.array(a.stats[site].ablation, from_pandas=True)  # NaN: null
     for name, ctx in (("top", a.contexts), ("sample", a.samples)):
         if ctx and site in ctx:
             cols[f"{name}_contexts"] = pa.array(
@@ -528,8 +546,16 @@ def parser() -> Parser:
     p.add_argument("--no-cofire", action="store_true",
                    help="skip the co-firing counts within each layer ([sum C, sum C] per "
                         "layer, split over the devices)")
-    p.add_argument("--windows", type=int, default=256,
-                   help="language models: held-out token windows to analyse (default 256)")
+    p.add_argument("--tokens", type=int, default=1_000_000,
+                   help="language models: token positions to analyse (default 1e6: a "
+                        "component firing once in 1e5 positions is seen about 10 times)")
+    p.add_argument("--windows", type=int, default=None,
+                   help="language models: windows of data.seq_len to analyse (instead of "
+                        "--tokens)")
+    p.add_argument("--split", choices=("held_out", "train"), default="held_out",
+                   help="language models: the run's held-out windows (default) or its "
+                        "training stream's (more distinct text where the held-out part is "
+                        "small)")
     p.add_argument("--inputs", type=int, default=8192,
                    help="toys: sampled inputs to analyse (default 8192)")
     p.add_argument("--batch-size", type=int, default=None,
@@ -537,6 +563,12 @@ def parser() -> Parser:
     p.add_argument("--devices", type=int, default=1,
                    help="analyse on this many local devices, the components and CI "
                         "function split along C over them (default 1)")
+    p.add_argument("--target", default="local", choices=("local", *hardware.GPUS),
+                   help="a GPU kind: gate the analysis on --devices of them from this host "
+                        "(compile only; nothing is read or written): exit 0 if it fits, 3 "
+                        "if not, the report as JSON on stdout (default local: analyse here)")
+    p.add_argument("--gpus-per-host", type=int, default=8,
+                   help="with --target: GPUs per host (default 8)")
     p.add_argument("--hbm-cap-gib", type=float, default=None,
                    help="per-device memory cap of the analysis gate (default: the run's "
                         "memory.hbm_cap_gib, else the devices' own)")
@@ -545,32 +577,44 @@ def parser() -> Parser:
 
 def _bad_flag(args: Any) -> str | None:
     """The first flag out of range, as its one line."""
-    for name in ("top_k", "reservoir", "windows", "inputs", "batch_size", "devices",
-                 "hbm_cap_gib"):
+    for name in ("top_k", "reservoir", "tokens", "windows", "inputs", "batch_size", "devices",
+                 "gpus_per_host", "hbm_cap_gib"):
         value = getattr(args, name)
         zero_ok = name in ("top_k", "reservoir")
         if value is not None and value < (0 if zero_ok else 1e-9):
             floor = ">= 0" if zero_ok else "> 0"
             return f"pdecomp analyze: --{name.replace('_', '-')}={value} must be {floor}"
+    if args.target != "local" and args.devices > args.gpus_per_host \
+            and args.devices % args.gpus_per_host:
+        return (f"pdecomp analyze: --devices={args.devices} must be a multiple of "
+                f"--gpus-per-host={args.gpus_per_host} (whole hosts)")
     return None
 
 
-def gated_run(args: Any, log: Callable[[str], None]) -> tuple[LoadedRun, dict[str, Any]]:
-    """The analysis gate on the mesh asked for, then (if it fits) the run's components and
-    CI function read onto that mesh. RunDirError, or GateRefused with the report."""
+def gated_run(args: Any, log: Callable[[str], None]
+              ) -> tuple[LoadedRun | None, dict[str, Any]]:
+    """The analysis gate on the mesh asked for, then (if it fits, and the mesh is this
+    host's) the run's components and CI function read onto that mesh. RunDirError, or
+    GateRefused with the report. Deviceless (`--target`), no run is read: (None, report)."""
     run_dir = Path(args.run_dir).absolute()
     plan = resolve(read_config(run_dir))
-    checkpoints_of(run_dir)  # before the gate's compile: a run with nothing to read
-    mesh = analysis_mesh(args.devices)
+    deviceless = args.target != "local"
+    if deviceless:
+        mesh = analysis_gate.target_mesh(args.target, args.devices, args.gpus_per_host)
+    else:
+        checkpoints_of(run_dir)  # before the gate's compile: a run with nothing to read
+        mesh = analysis_mesh(args.devices)
     report = analysis_gate.gate(plan, mesh, options(plan, args.top_k, args.reservoir,
                                                     not args.no_cofire),
-                                args.batch_size or plan.data.batch_size, args.hbm_cap_gib)
+                                args.batch_size or plan.data.batch_size, args.hbm_cap_gib,
+                                args.target if deviceless else None)
     if not report["fits"]:
         raise GateRefused(report)
-    run = load_run(run_dir, log=log, mesh=mesh, whole_state=False)
     log(f"analysis gate: {fmt_bytes(report['peak_bytes'])} per device of "
         f"{fmt_bytes(report['cap_bytes'])} on {report['n_devices']} device(s)")
-    return run, report
+    if deviceless:
+        return None, report
+    return load_run(run_dir, log=log, mesh=mesh, whole_state=False), report
 
 
 def main(argv: Sequence[str],
@@ -587,15 +631,24 @@ def main(argv: Sequence[str],
         print(f"{e}; pdecomp analyze expects a run directory with config.yaml and "
               "checkpoints/", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    except hardware.GpuCompileUnavailable as e:
+        print(f"pdecomp analyze: --target={args.target}: {e}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
     except GateRefused as e:
+        if args.target != "local":
+            print(json.dumps(e.report, default=str))
         print(analysis_gate.refusal(e.report), file=sys.stderr)
         return EXIT_GATE_REFUSED
+    if run is None:  # deviceless: the gate is the answer
+        print(json.dumps(report, default=str))
+        return 0
     lm = reads_tokens(run.run)
-    total = args.windows if lm else args.inputs
-    update, stop = progress_bar(total, "held-out windows" if lm else "inputs")
+    windows = args.windows or math.ceil(args.tokens / run.config.data.seq_len)
+    total = windows if lm else args.inputs
+    update, stop = progress_bar(total, f"{args.split} windows" if lm else "inputs")
     try:
-        a = analyse(run, args.windows, args.inputs, args.top_k, args.batch_size, update,
-                    args.reservoir, not args.no_cofire)
+        a = analyse(run, windows, args.inputs, args.top_k, args.batch_size, update,
+                    args.reservoir, not args.no_cofire, args.split)
     finally:
         stop()
     index = write_report(a, run.run_dir, report)

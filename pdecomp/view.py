@@ -27,7 +27,8 @@ import pyarrow.parquet as pq
 
 from pdecomp.commands import Parser, refuse
 
-SORTABLE = ("component", "frequency", "fired", "mean_ci", "max_ci", "norm")
+SORTABLE = ("component", "frequency", "fired", "mean_ci", "max_ci", "norm",
+            "ablation_dce")
 TOKEN_COLUMNS = ("input_tokens", "input_tokens_pmi", "next_tokens", "next_tokens_pmi")
 PER_PAGE = 50
 PAGE_HTML = Path(__file__).with_name("view.html")
@@ -59,6 +60,8 @@ class Tables:
              ) -> dict[str, Any]:
         """One page of a site's components, sorted and filtered."""
         t = self._read(site)
+        if sort not in t.column_names:
+            raise ValueError(f"sort={sort!r}: {site} has no such column")
         if q:
             t = t.filter(matches(t, q))
         t = t.sort_by([(sort, "descending" if desc else "ascending"),

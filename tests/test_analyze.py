@@ -525,6 +525,8 @@ def test_every_statistic_matches_a_direct_recomputation(lm_report: Path) -> None
         _check_tokens(row["next_tokens"], nxt[fired[:, c] & has_next], nxt[has_next])
         _check_tokens(row["input_tokens_pmi"], flat_ids[fired[:, c]], flat_ids, by_pmi=True)
 
+    _check_ablation(run, ids, ci, [r.get("ablation_dce") for r in t], fired)
+
     # co-firing within layer 1 (its three MLP sites), P(d fires | c fires)
     group = [s for s in run.config.layers.sites if s.startswith("layers.1.")]
     masks = np.concatenate([ci[s] > thr for s in group], axis=1).astype(np.int64)
@@ -629,3 +631,61 @@ def test_the_viewer_pages_sorts_and_searches_in_a_browser(chromium: str, lm_repo
         "input_tokens", "input_tokens_pmi", "next_tokens"))
     for p in target["cofire"]:
         assert f"{p['site']} #{p['component']}" in row
+
+
+@pytest.mark.slow  # a deviceless compile
+def test_the_analysis_gates_deviceless_for_gpus_it_does_not_have(tmp_path: Path, env) -> None:
+    """A run directory holding only its composed config (no checkpoint) gated for 8 H100s
+    from this CPU host: the report on stdout, exit 0 (a refusal is the local gate's, tested
+    on a mesh above); hosts that are not whole, exit 2; nothing written in the directory."""
+    run_dir = tmp_path / "composed"
+    run_dir.mkdir()
+    cfg = ok(pdecomp(["+experiment=llama_tiny_chunkwise", f"layers.sites={SITES}",
+                      "--cfg", "job", "--resolve"], tmp_path, env))
+    (run_dir / "config.yaml").write_text(cfg.stdout)
+    proc = ok(pdecomp(["analyze", str(run_dir), "--target", "h100", "--devices", "8"],
+                      tmp_path, env))
+    report = json.loads(proc.stdout)
+    assert report["fits"] and report["n_devices"] == 8 and report["mesh"] == {"data": 1,
+                                                                               "model": 8}
+    assert "h100 (deviceless)" in report["target"] and report["cap_source"].startswith("h100")
+    assert report["peak_bytes"] > report["argument_bytes"] > 0
+
+    proc = pdecomp(["analyze", str(run_dir), "--target", "h100", "--devices", "12"],
+                   tmp_path, env)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "pdecomp analyze: --devices=12 must be a multiple of --gpus-per-host=8 (whole hosts)")
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml"]
+
+
+def _check_ablation(run, ids: np.ndarray, ci: dict[str, np.ndarray], ablation: list,
+                    fired: np.ndarray, eps: float = 1e-2) -> None:
+    """The first-order ablation effect of the three components of largest effect, against
+    a finite difference: the CE summed over the windows' positions with the component's
+    mask at 1 - eps where it fires (1 elsewhere, the delta channel on), less the CE with
+    every mask at 1, over eps. A component that never fires has none."""
+    from pdecomp.components import SiteMask, masked_linear
+
+    sites = tuple(ci)
+    x = jnp.asarray(ids)
+    prefix, suffix = run.target.split(sites, jnp.float32)
+    resid = prefix(x)
+
+    @jax.jit
+    def nll(masks):  # per predicted position
+        logits = suffix(resid, masked_linear(run.components, {
+            s: SiteMask(masks[s], jnp.ones(masks[s].shape[:-1]), None) for s in sites}))
+        lp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+        return -jnp.take_along_axis(lp, x[:, 1:, None], axis=-1)[..., 0]
+
+    shape = ids.shape
+    ones = {s: jnp.ones((*shape, ci[s].shape[1])) for s in sites}
+    base = nll(ones)
+    assert all((a is None) == (not fired[:, c].any()) for c, a in enumerate(ablation))
+    counts = fired.sum(0)
+    effect = np.array([0.0 if a is None else a for a in ablation]) * counts
+    for c in np.argsort(-np.abs(effect))[:3]:
+        m = np.ones((*shape, fired.shape[1]), np.float32)
+        m.reshape(-1, fired.shape[1])[fired[:, c], c] = 1 - eps
+        diff = float(jnp.sum(nll({**ones, SITE: jnp.asarray(m)}) - base)) / eps
+        assert effect[c] == pytest.approx(diff, rel=0.05, abs=1e-2), (c, effect[c], diff)
