@@ -444,27 +444,40 @@ def render(a: Analysis, out: Path) -> Path:
     h.append("</tbody></table><h2>Plots</h2>")
     h += [_png_tag(p, p.stem) for p in pngs]
     for s, v in a.stats.items():
-        sid = _site_id(s)
-        h.append(f"<h2 id='{sid}'>{html.escape(s)}</h2>"
-                 f"<p>{len(v.freq) - v.dead} firing, {v.dead} dead of {len(v.freq)}.</p>"
-                 f"<table class='sortable components' id='{sid}-components'><thead><tr>"
-                 "<th>component</th><th>frequency</th><th>mean CI</th><th>max CI</th>"
-                 "<th>norm</th>" + ("<th class='l'>top contexts</th>" if a.contexts else "")
-                 + "</tr></thead><tbody>")
-        for c in range(len(v.freq)):
-            dead = " class='dead'" if v.freq[c] == 0 else ""
-            row = (f"<tr{dead}>{_num(c, 'd')}{_num(float(v.freq[c]))}"
-                   f"{_num(float(v.mean_ci[c]))}{_num(float(v.max_ci[c]))}"
-                   f"{_num(float(v.norm[c]))}")
-            if a.contexts:  # a dead component's top CIs are all below the threshold
-                row += ("<td class='ctx'>" + ("".join(_ctx_html(x) for x in a.contexts[s][c])
-                                              if v.freq[c] else "never fires") + "</td>")
-            h.append(row + "</tr>")
-        h.append("</tbody></table>")
+        h += _site_rows(a, s, v)
     h.append(f"<script>{_SCRIPT}</script></body></html>")
     index = out / "index.html"
     index.write_text("\n".join(h), encoding="utf-8")
     return index
+
+
+STATIC_ROWS = 4096  # components a site's static table lists at most; pdecomp view pages all
+
+
+def _site_rows(a: Analysis, s: str, v: SiteStats) -> list[str]:
+    """A site's heading and component table (its STATIC_ROWS most frequent when larger)."""
+    sid, C = _site_id(s), len(v.freq)
+    shown = np.arange(C) if C <= STATIC_ROWS else np.sort(
+        np.argsort(-v.freq, kind="stable")[:STATIC_ROWS])
+    more = (f" Listed: the {STATIC_ROWS} most frequent; every component is in "
+            f"components/{html.escape(component_tables.file_name(s))} and pages in "
+            "<code>pdecomp view</code>." if C > STATIC_ROWS else "")
+    h = [f"<h2 id='{sid}'>{html.escape(s)}</h2>"
+         f"<p>{C - v.dead} firing, {v.dead} dead of {C}.{more}</p>"
+         f"<table class='sortable components' id='{sid}-components'><thead><tr>"
+         "<th>component</th><th>frequency</th><th>mean CI</th><th>max CI</th>"
+         "<th>norm</th>" + ("<th class='l'>top contexts</th>" if a.contexts else "")
+         + "</tr></thead><tbody>"]
+    for c in shown:
+        dead = " class='dead'" if v.freq[c] == 0 else ""
+        row = (f"<tr{dead}>{_num(int(c), 'd')}{_num(float(v.freq[c]))}"
+               f"{_num(float(v.mean_ci[c]))}{_num(float(v.max_ci[c]))}"
+               f"{_num(float(v.norm[c]))}")
+        if a.contexts:  # a dead component's top CIs are all below the threshold
+            row += ("<td class='ctx'>" + ("".join(_ctx_html(x) for x in a.contexts[s][c])
+                                          if v.freq[c] else "never fires") + "</td>")
+        h.append(row + "</tr>")
+    return [*h, "</tbody></table>"]
 
 
 def context_text(ctx: Context) -> str:

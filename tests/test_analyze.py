@@ -689,3 +689,18 @@ def _check_ablation(run, ids: np.ndarray, ci: dict[str, np.ndarray], ablation: l
         m.reshape(-1, fired.shape[1])[fired[:, c], c] = 1 - eps
         diff = float(jnp.sum(nll({**ones, SITE: jnp.asarray(m)}) - base)) / eps
         assert effect[c] == pytest.approx(diff, rel=0.05, abs=1e-2), (c, effect[c], diff)
+
+
+def test_a_sites_static_table_lists_its_most_frequent_components_when_large(monkeypatch
+                                                                             ) -> None:
+    """Past STATIC_ROWS components, the page lists the most frequent (in component order)
+    and says where the rest are."""
+    monkeypatch.setattr(analyze, "STATIC_ROWS", 5)
+    C = 20
+    freq = np.random.default_rng(0).random(C)
+    v = analyze.SiteStats(freq, freq / 2, freq, np.ones(C), 100, np.zeros((C, 10), int))
+    a = analyze.Analysis(None, {"s": v}, None, None, "")
+    page = "\n".join(analyze._site_rows(a, "layers.0.mlp.up_proj", v))
+    shown = [int(c) for c in re.findall(r"<tr[^>]*><td data-v=\"(\d+)\"", page)]
+    assert shown == sorted(np.argsort(-freq)[:5].tolist())
+    assert "the 5 most frequent" in page and "layers.0.mlp.up_proj.parquet" in page
