@@ -85,4 +85,5 @@ def refusal(report: dict[str, Any]) -> str:
     return (f"analysis refused: predicted peak {fmt_bytes(report['peak_bytes'])} > cap "
             f"{fmt_bytes(report['cap_bytes'])} per device ({report['cap_source']}) on "
             f"{report['n_devices']} device(s); more devices (--devices) split the components "
-            "along C, a smaller --batch-size shrinks the step's temporaries")
+            "along C; a smaller --batch-size, --no-ablation or --no-cofire shrink the step's "
+            "temporaries")

@@ -21,6 +21,7 @@ import math
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from jaxtyping import Array
 
 from pdecomp import (
     analysis_gate,
+    analysis_state,
     component_tables,
     hardware,
     harvest,
@@ -141,13 +143,15 @@ def on_mesh(run: LoadedRun, x: Any) -> Array:
     return jax.device_put(x, NamedSharding(run.mesh, P()))
 
 
-def options(run: Run, top_k: int, reservoir: int, cofire: bool) -> harvest.Options:
-    """What one pass gathers: for a language model the top and reservoir examples and the
-    token statistics; for both kinds the co-firing within each layer (`cofire`)."""
+def options(run: Run, top_k: int, reservoir: int, cofire: bool, ablation: bool = True
+            ) -> harvest.Options:
+    """What one pass gathers: for a language model the top and reservoir examples, the
+    token statistics and (`ablation`) the ablation effects; for both kinds the co-firing
+    within each layer (`cofire`)."""
     lm = reads_tokens(run)
     return harvest.Options(
         run.loss.ci_threshold, top_k if lm else 0, reservoir if lm else 0,
-        harvest.layer_groups(tuple(run.sites)) if cofire else (), lm, lm)
+        harvest.layer_groups(tuple(run.sites)) if cofire else (), lm, lm and ablation)
 
 
 def reads_tokens(run: Run) -> bool:
@@ -224,11 +228,14 @@ class Tokens:
 def component_stats(run: LoadedRun, o: harvest.Options, windows: int = 256,
                     inputs: int = 8192, batch_size: int | None = None,
                     progress: Callable[[int, int], None] | None = None,
-                    split: str = "held_out") -> tuple[dict[str, harvest.SiteHarvest], dict[str, list[list[Partner]]],
+                    split: str = "held_out", save_every: float | None = None
+                    ) -> tuple[dict[str, harvest.SiteHarvest], dict[str, list[list[Partner]]],
                                np.ndarray | None]:
-    """One pass over `windows` held-out windows (Llama) or `inputs` sampled inputs (toys),
-    in batches on the run's devices; `progress(done, total)` after each batch. Returns each
-    site's harvest, its components' co-firing partners, and (Llama) the windows read."""
+    """One pass over `windows` windows of `split` (Llama) or `inputs` sampled inputs (toys),
+    in batches on the run's devices; `progress(done, total)` after each batch. With
+    `save_every` (seconds), what the pass has gathered is saved that often beside the run
+    and a pass with the same request goes on from there (pdecomp.analysis_state). Returns
+    each site's harvest, its components' co-firing partners, and (Llama) the windows read."""
     lm = reads_tokens(run.run)
     B = batch_size or run.config.data.batch_size
     total = windows if lm else inputs
@@ -237,23 +244,30 @@ def component_stats(run: LoadedRun, o: harvest.Options, windows: int = 256,
     batches = _lm_windows(run, windows, B, split) if lm else _toy_inputs(run, inputs, B)
     C = {s: c.V.shape[1] for s, c in run.components.sites.items()}
     vocab = arch(run.config.model).vocab_size if lm else 0
-    sites = {s: harvest.SiteHarvest(C[s], o, vocab) for s in C}
+    request = {"step": run.step, "total": total, "batch": B, "split": split, "options": repr(o)}
+    state = analysis_state.PassState(request, 0, 0, {
+        s: harvest.SiteHarvest(C[s], o, vocab) for s in C}, [])
     step, cofire = jax.jit(harvest.step_fn(o), donate_argnums=5), cofire_zeros(run, o, C)
-    key = jax.random.PRNGKey(run.config.seed + EVAL_SEED_OFFSET)
-    tokens: list[np.ndarray] = []
-    done = 0
+    if save_every is not None:
+        state, cofire = analysis_state.load(run.run_dir, request, cofire) or (state, cofire)
+    key, saved = jax.random.PRNGKey(run.config.seed + EVAL_SEED_OFFSET), time.monotonic()
     for i, x in enumerate(batches):
+        if i < state.batches:  # read by the pass this one goes on from
+            continue
         out, cofire = step(run.target, run.components, run.ci_fn, on_mesh(run, x),
                            jax.random.fold_in(key, i), cofire)
         ids = np.asarray(x) if lm else None
-        for s, h in sites.items():
+        for s, h in state.sites.items():
             h.add(out[s], x.shape[0] * (x.shape[1] if lm else 1), ids)
-        if lm:
-            tokens.append(ids)
-        done += x.shape[0]
+        state.tokens += [ids] if lm else []
+        state.batches, state.rows = i + 1, state.rows + x.shape[0]
+        if save_every is not None and time.monotonic() - saved >= save_every:
+            analysis_state.save(run.run_dir, state, cofire)
+            saved = time.monotonic()
         if progress:
-            progress(done, total)
-    return sites, cofire_partners(o, C, cofire), (np.concatenate(tokens) if lm else None)
+            progress(state.rows, total)
+    return (state.sites, cofire_partners(o, C, cofire),
+            np.concatenate(state.tokens) if lm else None)
 
 
 def cofire_zeros(run: LoadedRun, o: harvest.Options, C: dict[str, int]) -> tuple[Array, ...]:
@@ -325,10 +339,11 @@ def feature_ci(run: LoadedRun) -> dict[str, np.ndarray]:
 def analyse(run: LoadedRun, windows: int = 256, inputs: int = 8192, top_k: int = 5,
             batch_size: int | None = None,
             progress: Callable[[int, int], None] | None = None, reservoir: int = 5,
-            cofire: bool = True, split: str = "held_out") -> Analysis:
-    o = options(run.run, top_k, reservoir, cofire)
+            cofire: bool = True, split: str = "held_out", ablation: bool = True,
+            save_every: float | None = None) -> Analysis:
+    o = options(run.run, top_k, reservoir, cofire, ablation)
     sites, partners, ids = component_stats(run, o, windows, inputs, batch_size, progress,
-                                           split)
+                                           split, save_every)
     norms = weight_norms(run)
     order = [s for s in site_names_of(run.config.model) if s in sites]  # canonical order
     stats = {s: SiteStats(sites[s].fired / sites[s].positions,
@@ -562,6 +577,9 @@ def parser() -> Parser:
     p.add_argument("--tokens", type=int, default=1_000_000,
                    help="language models: token positions to analyse (default 1e6: a "
                         "component firing once in 1e5 positions is seen about 10 times)")
+    p.add_argument("--no-ablation", action="store_true",
+                   help="language models: skip the ablation effects (a backward pass through "
+                        "the layers after the first site, per batch)")
     p.add_argument("--windows", type=int, default=None,
                    help="language models: windows of data.seq_len to analyse (instead of "
                         "--tokens)")
@@ -573,6 +591,10 @@ def parser() -> Parser:
                    help="toys: sampled inputs to analyse (default 8192)")
     p.add_argument("--batch-size", type=int, default=None,
                    help="windows or inputs per batch (default: the run's data.batch_size)")
+    p.add_argument("--save-every", type=float, default=120.0,
+                   help="seconds between saves of what the pass has gathered, beside the run "
+                        "(.analysis-partial/): the same command run again goes on from the "
+                        "last save (default 120; 0: after every batch)")
     p.add_argument("--devices", type=int, default=1,
                    help="analyse on this many local devices, the components and CI "
                         "function split along C over them (default 1)")
@@ -591,9 +613,9 @@ def parser() -> Parser:
 def _bad_flag(args: Any) -> str | None:
     """The first flag out of range, as its one line."""
     for name in ("top_k", "reservoir", "tokens", "windows", "inputs", "batch_size", "devices",
-                 "gpus_per_host", "hbm_cap_gib"):
+                 "gpus_per_host", "hbm_cap_gib", "save_every"):
         value = getattr(args, name)
-        zero_ok = name in ("top_k", "reservoir")
+        zero_ok = name in ("top_k", "reservoir", "save_every")
         if value is not None and value < (0 if zero_ok else 1e-9):
             floor = ">= 0" if zero_ok else "> 0"
             return f"pdecomp analyze: --{name.replace('_', '-')}={value} must be {floor}"
@@ -618,7 +640,7 @@ def gated_run(args: Any, log: Callable[[str], None]
         checkpoints_of(run_dir)  # before the gate's compile: a run with nothing to read
         mesh = analysis_mesh(args.devices)
     report = analysis_gate.gate(plan, mesh, options(plan, args.top_k, args.reservoir,
-                                                    not args.no_cofire),
+                                                    not args.no_cofire, not args.no_ablation),
                                 args.batch_size or plan.data.batch_size, args.hbm_cap_gib,
                                 args.target if deviceless else None)
     if not report["fits"]:
@@ -661,10 +683,12 @@ def main(argv: Sequence[str],
     update, stop = progress_bar(total, f"{args.split} windows" if lm else "inputs")
     try:
         a = analyse(run, windows, args.inputs, args.top_k, args.batch_size, update,
-                    args.reservoir, not args.no_cofire, args.split)
+                    args.reservoir, not args.no_cofire, args.split, not args.no_ablation,
+                    args.save_every)
     finally:
         stop()
     index = write_report(a, run.run_dir, report)
+    analysis_state.clear(run.run_dir)  # the report holds it all now
     if on_report:
         on_report(run, index)
     for s, v in a.stats.items():

@@ -704,3 +704,44 @@ def test_a_sites_static_table_lists_its_most_frequent_components_when_large(monk
     shown = [int(c) for c in re.findall(r"<tr[^>]*><td data-v=\"(\d+)\"", page)]
     assert shown == sorted(np.argsort(-freq)[:5].tolist())
     assert "the 5 most frequent" in page and "layers.0.mlp.up_proj.parquet" in page
+
+
+@pytest.mark.slow  # shares the llama_tiny run
+def test_a_stopped_analysis_goes_on_from_its_last_save(lm_report: Path, tmp_path: Path,
+                                                       monkeypatch) -> None:
+    """Stopped after two of four batches (saving after each), the same command goes on from
+    the second: it reads the other two only, and its tables equal an uninterrupted pass's."""
+    from pdecomp import analysis_state
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(lm_report, run_dir, ignore=shutil.ignore_patterns("analysis"))
+    args = [str(run_dir), "--windows", "64", "--batch-size", "16", "--top-k", "3",
+            "--save-every", "0"]
+    read: list[int] = []
+
+    def stop_after(batches: int):
+        def bar(total, label):
+            def update(done, _):
+                read.append(done)
+                if len(read) == batches:
+                    raise KeyboardInterrupt
+            return update, lambda: None
+        return bar
+
+    monkeypatch.setattr(analyze, "progress_bar", stop_after(2))
+    with pytest.raises(KeyboardInterrupt):
+        analyze.main(args)
+    assert (run_dir / analysis_state.PARTIAL / "pass.pkl").is_file()
+    assert not (run_dir / "analysis").exists()
+    read.clear()
+    monkeypatch.setattr(analyze, "progress_bar", stop_after(-1))
+    assert analyze.main(args) == 0
+    assert read == [48, 64]  # the third and fourth batches only
+    assert not (run_dir / analysis_state.PARTIAL).exists()
+    resumed = {p.name: pq.read_table(p) for p in (run_dir / "analysis" / "components").iterdir()}
+
+    shutil.rmtree(run_dir / "analysis")
+    assert analyze.main(args) == 0  # uninterrupted
+    for name, table in resumed.items():
+        whole = pq.read_table(run_dir / "analysis" / "components" / name)
+        assert table.to_pylist() == whole.to_pylist(), name
