@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pickle
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,8 @@ from typing import Any
 import jax
 import numpy as np
 from jaxtyping import Array
+
+from pdecomp import storage
 
 PARTIAL = ".analysis-partial"
 
@@ -39,25 +40,15 @@ class PassState:
 def save(run_dir: Path, state: PassState, cofire: tuple[Array, ...]) -> None:
     """Write `state` and the co-firing counts (each device's shard apart) as the run's
     partial analysis, replacing the one before."""
-    tmp = Path(tempfile.mkdtemp(prefix=f"{PARTIAL}-", dir=run_dir))
-    try:
+
+    def files(tmp: Path) -> None:
         with open(tmp / "pass.pkl", "wb") as f:
             pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
         for g, counts in enumerate(cofire):
             for shard in counts.addressable_shards:
                 np.save(tmp / f"cofire{g}_{shard.device.id}.npy", np.asarray(shard.data))
-        final = run_dir / PARTIAL
-        if final.exists():
-            old = run_dir / f"{PARTIAL}-old"
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    storage.write_dir(run_dir / PARTIAL, files)
 
 
 def load(run_dir: Path, request: dict[str, Any], like: tuple[Array, ...]

@@ -18,9 +18,7 @@ import base64
 import html
 import json
 import math
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -43,6 +41,7 @@ from pdecomp import (
     metrics,
     plots,
     sharding,
+    storage,
     toys,
 )
 from pdecomp.commands import Parser, progress_bar
@@ -539,25 +538,14 @@ def write_report(a: Analysis, run_dir: Path, gate: dict[str, Any] | None = None)
     """Render (with the analysis gate's report, `gate.json`) into a temporary directory
     beside the final one, then swap it in: a failure leaves the previous report (or none)
     and no partial one."""
-    final = run_dir / OUT_DIR
-    tmp = Path(tempfile.mkdtemp(prefix=f".{OUT_DIR}-", dir=run_dir))
-    try:
-        tmp.chmod(0o755)  # mkdtemp's is private; the report is for reading
+
+    def write(tmp: Path) -> None:
         render(a, tmp)
         write_tables(a, tmp)
         if gate is not None:
             write_json(tmp / "gate.json", gate)
-        if final.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{OUT_DIR}-old-", dir=run_dir))
-            final.rename(old / OUT_DIR)
-            tmp.rename(final)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final / "index.html"
+
+    return storage.write_dir(run_dir / OUT_DIR, write) / "index.html"
 
 
 def parser() -> Parser:

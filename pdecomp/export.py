@@ -19,9 +19,7 @@ directory is written beside its final place and swapped in whole.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
+from pdecomp import storage
 from pdecomp.commands import Parser, refuse
 from pdecomp.rundir import read_json
 from pdecomp.runs import LoadedRun, RunDirError, load_run
@@ -83,20 +82,13 @@ def write(loaded: LoadedRun, final: Path) -> Path:
     failure leaves the previous export (or none) and no partial one."""
     from safetensors.numpy import save_file
 
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-    try:
-        tmp.chmod(0o755)
+    def files(tmp: Path) -> None:
         ci = ci_fn_tensors(loaded.ci_fn)
         save_file(component_tensors(loaded), str(tmp / "components.safetensors"))
         save_file(ci, str(tmp / "ci_fn.safetensors"))
         (tmp / "manifest.json").write_text(json.dumps(manifest(loaded, ci), indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    storage.write_dir(final, files)
     return final
 
 

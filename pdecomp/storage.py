@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -54,6 +56,27 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> Path:
             raise
         raise WriteFailed(f"cannot write {path}: {why}") from e
     return path
+
+
+def write_dir(final: Path, write: Callable[[Path], None]) -> Path:
+    """`write(tmp)` into a fresh directory beside `final`, then swapped in for `final`: a
+    failure leaves the previous `final` (or none) and no partial one."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp's is private; what is written here is for reading
+        write(tmp)
+        if final.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{final.name}-old-", dir=final.parent))
+            final.rename(old / final.name)
+            tmp.rename(final)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
 
 
 def write_text(path: Path, text: str) -> Path:
