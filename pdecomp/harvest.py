@@ -102,28 +102,28 @@ def site_reduce(logit: Array, x: Array, V: Array, U: Array, key: Array, o: Optio
 def cofire_counts(fired: Sequence[Array]) -> Array:
     """How often each pair of the group's components fires at the same position,
     [sum C, sum C] (the diagonal: how often each fires)."""
-    m = jnp.concatenate(fired, axis=1).astype(jnp.bfloat16)  # 0/1: exact in bf16
-    return jnp.einsum("nc,nd->cd", m, m, preferred_element_type=jnp.float32).astype(jnp.int32)
+    # float32 at full precision: exact counts up to 2^24 a batch, on every backend (bf16
+    # operands are emulated, slowly, on CPUs; TF32 would round counts past 2^11)
+    m = jnp.concatenate(fired, axis=1).astype(jnp.float32)
+    return jnp.einsum("nc,nd->cd", m, m, precision=jax.lax.Precision.HIGHEST).astype(jnp.int32)
 
 
-def ablation_gradients(target: Any, components: Any, x: Array, shapes: dict[str, tuple]
+def ablation_gradients(f: metrics.SiteForward, components: Any, x: Array
                        ) -> dict[str, Array]:
     """d(the CE summed over the batch's predicted positions) / d(mask of each component at
     each position), at the unmasked forward (every mask 1, the delta channel on: the
     target's own output), [positions, C] per site. Ablating c where it fires changes the CE
     by about -sum of these over its firing positions (first order; one backward pass for
     all components, where exact ablation would take one forward each)."""
-    sites = tuple(shapes)
-    prefix, suffix = target.split(sites, jnp.float32)
-    resid = prefix(x)
-    delta = {s: jnp.ones(shapes[s][:-1]) for s in sites}
+    shapes = {s: f.logits[s].shape for s in f.inputs}
+    delta = {s: jnp.ones(shape[:-1]) for s, shape in shapes.items()}
 
     def total_ce(masks: dict[str, Array]) -> Array:
-        logits = suffix(resid, masked_linear(components, {
-            s: SiteMask(masks[s], delta[s], None) for s in sites}))
+        logits = f.suffix(f.resid, masked_linear(components, {
+            s: SiteMask(masks[s], delta[s], None) for s in masks}))
         return losses.cross_entropy(logits, x) * x.shape[0] * (x.shape[1] - 1)
 
-    grads = jax.grad(total_ce)({s: jnp.ones(shapes[s]) for s in sites})
+    grads = jax.grad(total_ce)({s: jnp.ones(shape) for s, shape in shapes.items()})
     return {s: g.reshape(-1, g.shape[-1]) for s, g in grads.items()}
 
 
@@ -133,18 +133,16 @@ def step_fn(o: Options) -> Callable:
 
     def step(target: Any, components: Any, ci_fn: Any, x: Array, key: Array,
              cofire: tuple[Array, ...]) -> tuple[dict[str, Any], tuple[Array, ...]]:
-        inputs, logits = metrics.inputs_and_ci_logits(target, components, ci_fn, x)
-        keys = dict(zip(logits, jax.random.split(key, len(logits))))
+        f = metrics.site_forward(target, components, ci_fn, x)  # the prefix runs once
+        keys = dict(zip(f.logits, jax.random.split(key, len(f.logits))))
         out, fired = {}, {}
-        for s, logit in logits.items():
+        for s, logit in f.logits.items():
             c = components.sites[s]
-            out[s], fired[s] = site_reduce(logit, inputs[s], c.V, c.U, keys[s], o)
+            out[s], fired[s] = site_reduce(logit, f.inputs[s], c.V, c.U, keys[s], o)
         cofire = tuple(acc + cofire_counts([fired[s] for s in g])
                        for acc, g in zip(cofire, o.groups))
         if o.ablation:
-            grads = ablation_gradients(target, components, x, {
-                s: logits[s].shape for s in components.sites if s in logits})
-            for s, g in grads.items():  # -sum of the gradient over the firing positions
+            for s, g in ablation_gradients(f, components, x).items():  # -sum of the gradient over the firing positions
                 out[s]["ablation"] = -jnp.where(fired[s], g, 0.0).sum(0)
         return out, cofire
 
@@ -196,6 +194,10 @@ class PairCounts:
         self._size += len(component)
         if self._size > 1 << 24:
             self.compact()
+
+    def __getstate__(self) -> dict[str, Any]:  # a saved pass keeps the merged pairs only
+        self.compact()
+        return self.__dict__
 
     def compact(self) -> None:
         if not self._pending:

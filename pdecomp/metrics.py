@@ -5,6 +5,7 @@ ground-truth match) live with its kind."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,11 +34,28 @@ def ci_logits(target, components: Components, ci_fn, x: Array) -> dict[str, Arra
 def inputs_and_ci_logits(target, components: Components, ci_fn, x: Array
                          ) -> tuple[dict[str, Array], dict[str, Array]]:
     """Each site's input (what its linear reads) and the CI function's logits on them."""
+    f = site_forward(target, components, ci_fn, x)
+    return f.inputs, f.logits
+
+
+class SiteForward(NamedTuple):
+    """A clean forward read at the sites: the rest of the model after the first site's
+    layer (`suffix`) and its input (`resid`, for a masked forward to start from), each
+    site's input, and the CI function's logits."""
+
+    suffix: Callable
+    resid: Array
+    inputs: dict[str, Array]
+    logits: dict[str, Array]
+
+
+def site_forward(target, components: Components, ci_fn, x: Array) -> SiteForward:
     record: dict[str, Array] = {}
     prefix, suffix = target.split(tuple(components.sites), jnp.float32)
-    suffix(prefix(x), recording_linear(record, components.sites))
+    resid = prefix(x)
+    suffix(resid, recording_linear(record, components.sites))
     inputs = {s: record[s] for s in components.sites}
-    return inputs, ci_fn(inputs, components)
+    return SiteForward(suffix, resid, inputs, ci_fn(inputs, components))
 
 
 MASK_KINDS = ("ci", "unmasked", "stochastic", "random", "rounded", "zero")
