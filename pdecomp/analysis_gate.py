@@ -34,9 +34,7 @@ def analysis_cap(run: Run, mesh: Mesh, cap_gib: float | None, target: str | None
     gib = mem.hbm_cap_gib if cap_gib is None else cap_gib
     usable = hardware.usable_memory(mem.safety_fraction)
     if target and gib <= 0:
-        spec = hardware.GPUS[target]
-        return (int(spec.memory_bytes * usable.fraction),
-                f"{target} {spec.memory_gib:.1f} GiB x {usable.fraction}")
+        return gate_lib.target_cap_bytes(target, usable)
     if target:
         return int(gib * 2**30), ("--hbm-cap-gib" if cap_gib is not None
                                   else "memory.hbm_cap_gib")

@@ -59,6 +59,14 @@ def device_cap_bytes(device: jax.Device, hbm_cap_gib: float, safety_fraction: fl
     return int(limit * safety_fraction), f"{source} x {safety_fraction}"
 
 
+def target_cap_bytes(target: str, usable: hardware.UsableMemory) -> tuple[int, str]:
+    """A deviceless target's cap: the card's memory from the hardware table x the usable
+    fraction (the pool a job on it will have)."""
+    spec = hardware.GPUS[target]
+    return (int(spec.memory_bytes * usable.fraction),
+            f"{target} {spec.memory_gib:.1f} GiB x {usable.fraction}")
+
+
 def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, ...] = (),
                        out_shardings: Any = None, cap_bytes: int, cap_source: str, target: str,
                        mesh: dict[str, int], parts: dict[str, int] | None = None,

@@ -179,9 +179,7 @@ def gate_cap(run: Run, mesh: Mesh) -> tuple[int, str, dict[str, Any] | None]:
     deviceless = run.placement.deviceless
     gpu = deviceless or mesh.devices.flat[0].platform == "gpu"
     if mem.hbm_cap_gib <= 0 and deviceless:
-        spec = hardware.GPUS[target]
-        cap = int(spec.memory_bytes * usable.fraction)
-        source = f"{target} {spec.memory_gib:.1f} GiB x {usable.fraction}"
+        cap, source = gate_lib.target_cap_bytes(target, usable)
     else:
         cap, source = gate_lib.device_cap_bytes(mesh.local_devices[0], mem.hbm_cap_gib,
                                                 mem.safety_fraction, usable)

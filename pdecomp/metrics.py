@@ -28,14 +28,7 @@ def causal_importances(target, components: Components, ci_fn, x: Array) -> dict[
 
 def ci_logits(target, components: Components, ci_fn, x: Array) -> dict[str, Array]:
     """The CI function's logits per site for inputs x, before the clamp to [0, 1]."""
-    return inputs_and_ci_logits(target, components, ci_fn, x)[1]
-
-
-def inputs_and_ci_logits(target, components: Components, ci_fn, x: Array
-                         ) -> tuple[dict[str, Array], dict[str, Array]]:
-    """Each site's input (what its linear reads) and the CI function's logits on them."""
-    f = site_forward(target, components, ci_fn, x)
-    return f.inputs, f.logits
+    return site_forward(target, components, ci_fn, x).logits
 
 
 class SiteForward(NamedTuple):

@@ -472,8 +472,8 @@ def _direct(run, windows: int) -> tuple[np.ndarray, dict[str, np.ndarray], dict[
     B = run.config.data.batch_size
     stream = token_stream(run.config.model, run.config.data, run.config.seed, held_out=True)
     ids = np.concatenate([stream.rows(i, B) for i in range(windows // B)])
-    inputs, logits = metrics.inputs_and_ci_logits(run.target, run.components, run.ci_fn,
-                                                  jnp.asarray(ids))
+    f = metrics.site_forward(run.target, run.components, run.ci_fn, jnp.asarray(ids))
+    inputs, logits = f.inputs, f.logits
     ci, act = {}, {}
     for s, logit in logits.items():
         C = logit.shape[-1]
