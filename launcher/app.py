@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra import compose, initialize_config_dir
@@ -28,7 +29,7 @@ from hydra.core.override_parser.types import Override
 from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from launcher import callbacks, cluster, resume
+from launcher import analysis_job, callbacks, cluster, resume
 from launcher.registry import register, to_run_config
 from pdecomp import hardware
 from pdecomp.config import ConfigError, RunConfig
@@ -322,11 +323,8 @@ def _main() -> None:
     if sys.argv[1:2] == ["resume"]:  # the run's own command line, in its directory
         sys.argv[1:] = resume.command_line(sys.argv[2:])
     cluster.split_cpu_devices()  # before jax starts, for a run or an analysis alike
-    if sys.argv[1:2] == ["analyze"]:
-        from launcher.job import log_report
-        from pdecomp.analyze import main as analyze
-
-        sys.exit(analyze(sys.argv[2:], on_report=log_report))
+    if sys.argv[1:2] == ["analyze"]:  # here, or as a job (`cluster=...`)
+        sys.exit(analyze(sys.argv[2:]))
     if sys.argv[1:2] and sys.argv[1] in SUBCOMMANDS:
         sys.exit(importlib.import_module(SUBCOMMANDS[sys.argv[1]]).main(sys.argv[2:]))
     hardware.no_gpu_autotuning_without_gpus()
@@ -375,6 +373,30 @@ def _main() -> None:
         dump = sys.modules["pdecomp.xla_dump"]
         dump.end_process(0 if code is None else code if isinstance(code, int) else 1)
     sys.exit(code)
+
+
+def launcher_config(overrides: list[str]) -> tuple[str, dict[str, Any]]:
+    """(the executor: `slurm`, `local` or `basic`, its `hydra.launcher` keys) that
+    `overrides` compose to, from the config groups a run composes from."""
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        node = compose("config", overrides=overrides, return_hydra_config=True).hydra.launcher
+        params = OmegaConf.to_container(node, resolve=False)
+    target = str(params.get("_target_", ""))
+    kind = ("slurm" if target.endswith("SlurmLauncher") else
+            "local" if target.endswith("LocalLauncher") else "basic")
+    return kind, params
+
+
+def analyze(argv: list[str]) -> int:
+    """`pdecomp analyze ...`: here, or as a job of the launcher its overrides name
+    (`cluster=...`, `hydra.launcher.*`)."""
+    own, overrides = analysis_job.launcher_overrides([a for a in argv if a != "--wait"])
+    try:
+        kind, params = launcher_config(overrides) if overrides else ("basic", {})
+    except Exception as e:  # noqa: BLE001 - Hydra's and OmegaConf's compose-time errors
+        print(error_line(e), file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    return analysis_job.main(own, kind, params, "--wait" in argv)
 
 
 def _pop_flag(flag: str) -> bool:

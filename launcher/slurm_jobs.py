@@ -26,6 +26,26 @@ UNSETTLED = ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED", "RES
              "SUSPENDED", "READY", "UNKNOWN", "PREEMPTED", "REQUEUE_HOLD", "REQUEUE_FED")
 
 
+def executor(params: dict[str, Any], kind: str = "slurm") -> Any:
+    """submitit's executor for `hydra.launcher`'s keys (`submitit_folder` among them), as
+    hydra-submitit-launcher makes it: its shared keys as they are, the others `slurm_`-named."""
+    import submitit
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+    from omegaconf import OmegaConf
+
+    params = dict(params)
+    init = {"slurm_max_num_timeout": params.pop("max_num_timeout")} if kind == "slurm" else {}
+    made = submitit.AutoExecutor(folder=params.pop("submitit_folder"), cluster=kind, **init)
+    shared = set(OmegaConf.structured(BaseQueueConf).keys())
+    if kind == "slurm":
+        # One rank that fails ends the job's other ranks at once (they would otherwise wait
+        # in a collective until a timeout).
+        params["srun_args"] = ["--kill-on-bad-exit=1", *(params.get("srun_args") or [])]
+    made.update_parameters(**{k if k in shared else f"{kind}_{k}": v
+                              for k, v in params.items() if v is not None})
+    return made
+
+
 def write(sweep_dir: Path, submitted: dict[str, Any]) -> None:
     write_text(sweep_dir / FILE, json.dumps(submitted, indent=1))
 

@@ -38,6 +38,7 @@ from pdecomp import (
     component_tables,
     hardware,
     harvest,
+    logit_effects,
     metrics,
     plots,
     sharding,
@@ -113,6 +114,7 @@ class Analysis:
     tokens: dict[str, harvest.TokenStats] | None = None  # input / next tokens (LMs)
     partners: dict[str, list[list[Partner]]] | None = None  # co-firing in the layer
     decoder: Tokens | None = None  # token id -> text (LMs)
+    effects: dict[str, logit_effects.TokenEffects] | None = None  # promoted/suppressed (LMs)
 
 
 @dataclass(frozen=True)
@@ -357,10 +359,14 @@ def analyse(run: LoadedRun, windows: int = 256, inputs: int = 8192, top_k: int =
     drawn = {s: contexts_of(sites[s].reservoir, ids, decoder, fired_only=True)
              for s in order if sites[s].reservoir}
     cfg = run.config
+    effects = {s: logit_effects.site_effects(cfg.model.kind, run.target, s,
+                                             run.components.sites[s].U, TOKENS_SHOWN)
+               for s in order}
     return Analysis(run, stats, tops or None, None,
                     f"{windows} {split.replace('_', '-')} windows of {cfg.data.seq_len} tokens "
                     f"({cfg.data.source}), {decoder.source}", drawn or None,
-                    {s: sites[s].tokens for s in order if sites[s].tokens}, partners, decoder)
+                    {s: sites[s].tokens for s in order if sites[s].tokens}, partners, decoder,
+                    {s: e for s, e in effects.items() if e is not None})
 
 
 # -- the report ------------------------------------------------------------------------------
@@ -528,6 +534,14 @@ def extra_columns(a: Analysis, site: str) -> dict[str, Any]:
                 cols[f"{kind}_tokens" + ("_pmi" if by == "pmi" else "")] = pa.array(
                     [[{**r.__dict__, "token": a.decoder.decode(r.token), "id": r.token}
                       for r in row] for row in rows], pa.list_(component_tables.TOKEN))
+    if a.effects and site in a.effects and a.decoder:
+        e = a.effects[site]
+        for name, ids, values in (("promoted", e.promoted_ids, e.promoted),
+                                  ("suppressed", e.suppressed_ids, e.suppressed)):
+            cols[f"{name}_tokens"] = pa.array(
+                [[{"token": a.decoder.decode(int(t)), "id": int(t), "logit": float(v)}
+                  for t, v in zip(row_ids, row)] for row_ids, row in zip(ids, values)],
+                pa.list_(component_tables.EFFECT))
     if a.partners and site in a.partners:
         cols["cofire"] = pa.array([[p.__dict__ for p in row] for row in a.partners[site]],
                                   pa.list_(component_tables.PARTNER))
@@ -614,18 +628,32 @@ def _bad_flag(args: Any) -> str | None:
     return None
 
 
+def refusal(args: Any) -> str | None:
+    """The one line that refuses these arguments before anything is compiled (a flag out of
+    range, a run directory with nothing to read), or None."""
+    if bad := _bad_flag(args):
+        return bad
+    run_dir = Path(args.run_dir).absolute()
+    try:
+        read_config(run_dir)
+        if args.target == "local":
+            checkpoints_of(run_dir)
+    except RunDirError as e:
+        return f"{e}; pdecomp analyze expects a run directory with config.yaml and checkpoints/"
+    return None
+
+
 def gated_run(args: Any, log: Callable[[str], None]
               ) -> tuple[LoadedRun | None, dict[str, Any]]:
     """The analysis gate on the mesh asked for, then (if it fits, and the mesh is this
-    host's) the run's components and CI function read onto that mesh. RunDirError, or
-    GateRefused with the report. Deviceless (`--target`), no run is read: (None, report)."""
+    host's) the run's components and CI function read onto that mesh; GateRefused with the
+    report. Deviceless (`--target`), no run is read: (None, report). After `refusal`."""
     run_dir = Path(args.run_dir).absolute()
     plan = resolve(read_config(run_dir))
     deviceless = args.target != "local"
     if deviceless:
         mesh = analysis_gate.target_mesh(args.target, args.devices, args.gpus_per_host)
     else:
-        checkpoints_of(run_dir)  # before the gate's compile: a run with nothing to read
         mesh = analysis_mesh(args.devices)
     report = analysis_gate.gate(plan, mesh, options(plan, args.top_k, args.reservoir,
                                                     not args.no_cofire, not args.no_ablation),
@@ -645,15 +673,11 @@ def main(argv: Sequence[str],
     """`pdecomp analyze`; `on_report(run, index)` once the report is written (the launcher
     logs its plots to the run's wandb there: this library never imports wandb)."""
     args = parser().parse_args(argv)
-    if bad := _bad_flag(args):
+    if bad := refusal(args):
         print(bad, file=sys.stderr)
         return EXIT_BAD_CONFIG
     try:
         run, report = gated_run(args, lambda line: print(line, file=sys.stderr))
-    except RunDirError as e:
-        print(f"{e}; pdecomp analyze expects a run directory with config.yaml and "
-              "checkpoints/", file=sys.stderr)
-        return EXIT_BAD_CONFIG
     except hardware.GpuCompileUnavailable as e:
         print(f"pdecomp analyze: --target={args.target}: {e}", file=sys.stderr)
         return EXIT_BAD_CONFIG

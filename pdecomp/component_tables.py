@@ -30,6 +30,7 @@ def wilson_upper(fired: np.ndarray, n: int, z: float = Z95) -> np.ndarray:
 TOKEN = pa.struct([("token", pa.string()), ("id", pa.int64()), ("count", pa.int64()),
                    ("precision", pa.float64()), ("recall", pa.float64()), ("pmi", pa.float64())])
 PARTNER = pa.struct([("site", pa.string()), ("component", pa.int64()), ("p", pa.float64())])
+EFFECT = pa.struct([("token", pa.string()), ("id", pa.int64()), ("logit", pa.float64())])
 CONTEXT = pa.struct([("text", pa.string()), ("ci", pa.float64()), ("act", pa.float64())])
 
 

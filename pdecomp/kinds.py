@@ -142,6 +142,12 @@ class Kind:
         """The kind's own final metrics (besides every kind's live/L0 per site): numbers."""
         return {}
 
+    def direct_logits(self, target: Any, site: str, U: Array) -> Array | None:
+        """Language models: the next-token logits one unit of each component's output at
+        `site` adds by the direct path to the unembedding ([C, vocab]); None where no fixed
+        linear path leads there (or the kind has no vocabulary)."""
+        return None
+
     def plots(self, target: Any, components: Any, ci: dict[str, dict[str, Any]], thr: float,
               run_dir: Any) -> dict[str, str]:
         """The kind's own plots of the result: summary key -> file drawn."""

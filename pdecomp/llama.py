@@ -301,6 +301,30 @@ class Llama(eqx.Module):
 
         return prefix, suffix
 
+    def residual_write(self, site: str, U: Float[Array, "C d_out"]) -> Float[Array, "C d"] | None:
+        """What one unit of each row of U, written by `site`, adds to the residual stream,
+        where a fixed linear map takes it there: o_proj and down_proj write it as it is;
+        v_proj's goes through o_proj as if every query head of its group attended to that
+        position alone. None for q_proj and k_proj (they move the attention pattern) and
+        gate_proj and up_proj (each meets the other branch in a product)."""
+        name = site.rsplit(".", 1)[-1]
+        if name in ("o_proj", "down_proj"):
+            return U
+        if name != "v_proj":
+            return None
+        cfg = self.cfg
+        n_kv, rep = cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads
+        v = U.reshape(U.shape[0], n_kv, 1, cfg.d_head)  # the block's head order: g, r, d
+        ctx = jnp.broadcast_to(v, (U.shape[0], n_kv, rep, cfg.d_head)).reshape(U.shape[0], -1)
+        return ctx @ self.attn["o_proj"][site_layer(site)].astype(U.dtype)
+
+    def direct_logits(self, write: Float[Array, "C d"]) -> Float[Array, "C vocab"]:
+        """The logits a residual write adds by the direct path: the final norm's gain, then
+        the unembedding (the norm's division by the residual's scale, positive and the same
+        for every token, left out)."""
+        unembed = self.embed.T if self.lm_head is None else self.lm_head
+        return (write * self.final_norm.astype(write.dtype)) @ unembed.astype(write.dtype)
+
     def logits(self, h: Array, operand: Any = None) -> Float[Array, "b t vocab"]:
         h = rms_norm(h, self.final_norm, self.cfg.rms_norm_eps)
         return dot(h, self.embed.T if self.lm_head is None else self.lm_head, operand)

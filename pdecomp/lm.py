@@ -230,6 +230,10 @@ class LlamaKind(Kind):
         init = jax.jit(lambda k: self.init_target(k, m, dtype), out_shardings=shardings)
         return init(jax.random.PRNGKey(m.seed)), {"seed": m.seed}
 
+    def direct_logits(self, target: Any, site: str, U: Array) -> Array | None:
+        write = target.residual_write(site, U)
+        return None if write is None else target.direct_logits(write)
+
     def evaluate(self, model: ModelConfig, spec: EvalSpec, target: Any, components: Any,
                  ci_fn: Any, batches: list[Array], key: Array, ci: dict[str, dict[str, Any]]
                  ) -> dict[str, Any]:

@@ -29,7 +29,8 @@ from pdecomp.commands import Parser, refuse
 
 SORTABLE = ("component", "frequency", "fired", "mean_ci", "max_ci", "norm",
             "ablation_dce")
-TOKEN_COLUMNS = ("input_tokens", "input_tokens_pmi", "next_tokens", "next_tokens_pmi")
+TOKEN_COLUMNS = ("input_tokens", "input_tokens_pmi", "next_tokens", "next_tokens_pmi",
+                 "promoted_tokens", "suppressed_tokens")
 PER_PAGE = 50
 PAGE_HTML = Path(__file__).with_name("view.html")
 

@@ -160,6 +160,22 @@ def test_bad_run_dir_exits_2_with_one_line(case: str, tms_report: Path, tmp_path
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
 
 
+@pytest.mark.parametrize(("launch", "named"), [
+    (["cluster=nosuch"], "cluster=nosuch"),
+    (["cluster=slurm", "hydra.launcher.nodes=2"], "hydra.launcher.nodes=2"),
+    (["cluster=slurm", "hydra.launcher.bogus=1"], "hydra.launcher.bogus"),
+])
+def test_bad_launcher_keys_exit_2_before_anything_is_submitted(
+        launch: list[str], named: str, tms_report: Path, tmp_path: Path,
+        env: dict[str, str]) -> None:
+    before = sorted(p.name for p in tms_report.iterdir())
+    proc = pdecomp(["analyze", str(tms_report), "--wait", *launch], tmp_path, env)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and named in lines[0], lines
+    assert sorted(p.name for p in tms_report.iterdir()) == before
+
+
 def test_a_failed_write_leaves_the_previous_report(tms_report: Path, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     run_dir = shutil.copytree(tms_report, tmp_path / "run")
@@ -484,6 +500,49 @@ def _direct(run, windows: int) -> tuple[np.ndarray, dict[str, np.ndarray], dict[
     return ids, ci, act
 
 
+def test_a_value_write_reaches_the_residual_as_the_block_carries_it() -> None:
+    """v_proj's residual write is what the layer adds where each query head attends to
+    that one position (a window of one token): its group's heads carry the value through
+    o_proj (grouped-query attention, 4 query heads on 2 kv heads)."""
+    from pdecomp.llama import LlamaConfig, init_llama
+
+    model = init_llama(jax.random.PRNGKey(0), LlamaConfig(num_key_value_heads=2))
+    cfg = model.cfg
+    U = jax.random.normal(jax.random.PRNGKey(1), (3, cfg.num_key_value_heads * cfg.d_head))
+    w = {**model.layer(0), "down_proj": jnp.zeros_like(model.mlp["down_proj"][0])}
+    for c in range(3):
+        def linear(name, x, W, c=c):
+            return jnp.broadcast_to(U[c], (*x.shape[:2], U.shape[1])) if name == "v_proj" \
+                else x @ W
+        out = model.block(jnp.zeros((1, 1, cfg.hidden_size)), w, model.rope(1), linear)
+        np.testing.assert_allclose(
+            out[0, 0], model.residual_write("layers.0.self_attn.v_proj", U)[c], rtol=1e-5,
+            atol=1e-6)
+    assert model.residual_write("layers.0.self_attn.q_proj", U) is None
+
+
+@pytest.mark.slow  # shares the llama_tiny run
+def test_promoted_and_suppressed_tokens_are_the_direct_path(lm_report: Path) -> None:
+    """down_proj's components: the tokens whose logit U[c] raises or lowers most through
+    the final norm's gain and the unembedding; up_proj's have no such column."""
+    run = load_run(lm_report)
+    site = "layers.1.mlp.down_proj"
+    rows = pq.read_table(lm_report / "analysis" / "components" / f"{site}.parquet").to_pylist()
+    target = run.target
+    unembed = np.asarray(target.embed).T if target.lm_head is None else np.asarray(
+        target.lm_head)
+    logits = (np.asarray(run.components.sites[site].U) * np.asarray(target.final_norm)
+              ) @ unembed
+    for c, row in enumerate(rows):
+        want_up, want_down = np.argsort(-logits[c])[:8], np.argsort(logits[c])[:8]
+        assert [t["id"] for t in row["promoted_tokens"]] == want_up.tolist(), c
+        assert [t["id"] for t in row["suppressed_tokens"]] == want_down.tolist(), c
+        np.testing.assert_allclose([t["logit"] for t in row["promoted_tokens"]],
+                                   logits[c, want_up], rtol=1e-4, atol=1e-5)
+    up = pq.read_table(lm_report / "analysis" / "components" / f"{SITE}.parquet")
+    assert "promoted_tokens" not in up.column_names
+
+
 @pytest.mark.slow  # shares the llama_tiny run
 def test_every_statistic_matches_a_direct_recomputation(lm_report: Path) -> None:
     """The CI histogram, the top and drawn contexts with their signed activation, the
@@ -632,6 +691,17 @@ def test_the_viewer_pages_sorts_and_searches_in_a_browser(chromium: str, lm_repo
         "input_tokens", "input_tokens_pmi", "next_tokens"))
     for p in target["cofire"]:
         assert f"{p['site']} #{p['component']}" in row
+
+    # a down_proj component's promoted and suppressed tokens, each with its logit
+    down = "layers.1.mlp.down_proj"
+    first = pq.read_table(lm_report / "analysis" / "components" / f"{down}.parquet").slice(
+        0, 1).to_pylist()[0]
+    dom, shown = view_rows(chromium, f"{viewer}#site={down}&q=%230", tmp_path)
+    row = re.search(r'<tr[^>]*data-component="0".*?</tr>', dom, re.DOTALL).group(0)
+    effects = first["promoted_tokens"] + first["suppressed_tokens"]
+    assert shown == [0] and row.count('class="tok"') == len(effects) + sum(
+        len(first[k]) for k in ("input_tokens", "input_tokens_pmi", "next_tokens"))
+    assert len(effects) == 16 and "suppresses:" in row
 
 
 @pytest.mark.slow  # a deviceless compile

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -330,6 +331,33 @@ def test_a_config_refused_in_the_job_is_the_sweeps_row_and_exit_2(cluster, tmp_p
 
 
 # -- helpers for the interrupted run ------------------------------------------------------
+
+def test_an_analysis_is_a_slurm_job_too(cluster, reference: Path, tmp_path: Path) -> None:
+    """`pdecomp analyze RUN ... cluster=slurm --wait`: one SLURM job, running the copy of
+    the code taken at submission, on the devices asked for; its report is the one the same
+    analysis writes on this machine."""
+    import pyarrow.parquet as pq
+
+    there, here = tmp_path / "there", tmp_path / "here"
+    for d in (there, here):
+        shutil.copytree(reference, d)
+    env = {**cluster, "PDECOMP_CPU_DEVICES": "2"}
+    flags = ["--inputs", "1024", "--devices", "2"]
+    proc = pdecomp(["analyze", str(there), *flags, "--wait", "cluster=slurm",
+                    "hydra.launcher.cpus_per_task=2"], tmp_path, env, timeout=600)
+    ok(proc)
+    job = re.search(r"as slurm job (\d+)", proc.stdout).group(1)
+    assert f"analysis job {job} ended: exit 0" in proc.stdout
+    assert all(r[1] == "COMPLETED" for r in sacct(job, cluster)), sacct(job, cluster)
+    log = (there / ".analysis-jobs" / job / f"{job}_0_log.err").read_text()
+    assert f"code {there / '.analysis-jobs' / '.code'}" in log
+    assert load_json(there / "analysis" / "gate.json")["n_devices"] == 2
+    ok(pdecomp(["analyze", str(here), *flags], tmp_path, env, timeout=600))
+    for table in sorted((here / "analysis" / "components").glob("*.parquet")):
+        want = pq.read_table(table).to_pydict()
+        got = pq.read_table(there / "analysis" / "components" / table.name).to_pydict()
+        assert got == want, table.name
+
 
 def wait_for(read, done, seconds: float, runner: subprocess.Popen) -> Any:
     deadline = time.monotonic() + seconds

@@ -35,7 +35,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job, setup_globals
-from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, SlurmQueueConf
+from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -132,7 +132,7 @@ class SlurmLauncher(BaseSubmititLauncher):
         args = [(list(o), "hydra.sweep.dir", num, f"job_id_for_{num}", Singleton.get_state())
                 for num, o in zip(nums, job_overrides)]
         folder = params["submitit_folder"]
-        jobs = self._executor(params).map_array(self, *zip(*args))
+        jobs = slurm_jobs.executor(params).map_array(self, *zip(*args))
         entries = [{"num": num, "job_id": job.job_id, "dir": str(self._job_dir(num, o)),
                     "overrides": filter_overrides(o), "stderr": str(job.paths.stderr)}
                    for job, num, o in zip(jobs, nums, job_overrides)]
@@ -150,20 +150,6 @@ class SlurmLauncher(BaseSubmititLauncher):
                  f"{tasks} task(s) each; logs: {jobs[0].paths.folder}; waiting for them")
         return [self._result(job, num, list(o), Path(e["dir"]))
                 for job, num, o, e in zip(jobs, nums, job_overrides, entries)]
-
-    def _executor(self, params: dict[str, Any]) -> Any:
-        import submitit
-
-        params = dict(params)
-        executor = submitit.AutoExecutor(folder=params.pop("submitit_folder"), cluster="slurm",
-                                         slurm_max_num_timeout=params.pop("max_num_timeout"))
-        shared = set(OmegaConf.structured(BaseQueueConf).keys())
-        # One rank that fails ends the job's other ranks at once (they would otherwise wait
-        # in a collective until a timeout).
-        params["srun_args"] = ["--kill-on-bad-exit=1", *(params.get("srun_args") or [])]
-        executor.update_parameters(**{k if k in shared else f"slurm_{k}": v
-                                      for k, v in params.items() if v is not None})
-        return executor
 
     def _job_dir(self, num: int, overrides: Sequence[str]) -> Path:
         """Where job `num` writes: the sweep's `hydra.sweep.subdir` for it, as the job will
