@@ -14,6 +14,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -63,25 +64,39 @@ def parser() -> Parser:
     return p
 
 
-def token_ids(args, loaded: LoadedRun) -> list[int] | str:
-    """The ids to read, or the one line that says why there are none."""
-    if (args.text is None) == (args.ids is None):
+def token_ids(loaded: LoadedRun, text: str | None, ids: str | None,
+              tokenizer: str | None = None) -> list[int] | str:
+    """The ids of `text` (the model's tokenizer, or `tokenizer`'s) or of `ids` (comma-
+    separated), or the one line that says why there are none. At most the run's window of
+    data.seq_len tokens: the positions its CI function was trained on."""
+    if (text is None) == (ids is None):
         return "give a text or --ids, one of them"
-    if args.ids is not None:
+    if ids is not None:
         try:
-            ids = [int(i) for i in args.ids.split(",")]
+            out = [int(i) for i in ids.split(",")]
         except ValueError:
-            return f"--ids {args.ids!r}: comma-separated integers"
+            return f"--ids {ids!r}: comma-separated integers"
     else:
-        where = args.tokenizer or loaded.run.model.path
-        ids = encode(where, args.text) if where else None
-        if ids is None:
+        where = tokenizer or loaded.run.model.path
+        out = encode(where, text) if where else None
+        if out is None:
             return (f"no tokenizer.json in {where or 'the run (its model has no path)'}; "
                     "give --tokenizer DIR or --ids")
-    vocab = loaded.run.model.vocab_size
-    if not ids or not all(0 <= i < vocab for i in ids):
-        return f"token ids must be in [0, {vocab}) and at least one: {ids}"
-    return ids
+    vocab, longest = loaded.run.model.vocab_size, loaded.run.data.seq_len
+    if not out or not all(0 <= i < vocab for i in out):
+        return f"token ids must be in [0, {vocab}) and at least one: {out}"
+    if len(out) > longest:
+        return f"{len(out)} tokens: at most the run's data.seq_len, {longest}"
+    return out
+
+
+def per_token(loaded: LoadedRun, ids: list[int], tokenizer: str | None = None
+              ) -> list[dict[str, Any]]:
+    """Per token: its position, id, text and `firing`, [site, component, CI] strongest
+    first."""
+    pieces = Tokens(tokenizer or loaded.run.model.path).pieces(ids)
+    return [{"position": t, "id": i, "text": text, "firing": [list(f) for f in fired]}
+            for t, (i, text, fired) in enumerate(zip(ids, pieces, firing(loaded, ids)))]
 
 
 def main(argv: Sequence[str]) -> int:
@@ -95,18 +110,17 @@ def main(argv: Sequence[str]) -> int:
     if not reads_tokens(loaded.run):
         return refuse(PROG, f"{args.run_dir}: a {loaded.run.model.kind} run reads no tokens; "
                             "only a language model's")
-    ids = token_ids(args, loaded)
+    ids = token_ids(loaded, args.text, args.ids, args.tokenizer)
     if isinstance(ids, str):
         return refuse(PROG, ids)
-    pieces = Tokens(args.tokenizer or loaded.run.model.path).pieces(ids)
-    for t, (i, text, fired) in enumerate(zip(ids, pieces, firing(loaded, ids))):
+    for tok in per_token(loaded, ids, args.tokenizer):
         if args.json:
-            print(json.dumps({"position": t, "id": i, "text": text,
-                              "firing": [list(f) for f in fired]}))
+            print(json.dumps(tok))
         else:
+            fired = tok["firing"]
             shown = ", ".join(f"{s}:{c} {v:.2f}" for s, c, v in fired[:args.top])
             more = f" (+{len(fired) - args.top})" if len(fired) > args.top else ""
-            print(f"{t:4d} {text!r:>16} {shown or '-'}{more}")
+            print(f"{tok['position']:4d} {tok['text']!r:>16} {shown or '-'}{more}")
     return 0
 
 

@@ -7,6 +7,11 @@ a token it fires on or that follows it). Only the site asked for is read, and on
 page of it goes to the browser: a site of 49,152 components pages like one of 64.
 The page keeps its state in the address (`#site=...&page=...&sort=...&q=...`), so a view
 can be bookmarked, shared, or opened by a test.
+
+A third endpoint reads a text the user types (`#prompt=...`): which components fire at
+each of its tokens (`pdecomp prompt`'s answer). The run's components, CI function and
+target are read for it once, at the first text, not before: a viewer that only pages the
+tables never holds the model.
 """
 
 from __future__ import annotations
@@ -91,7 +96,37 @@ def matches(t: pa.Table, q: str) -> pa.Array:
     return hits
 
 
-def handler(tables: Tables, run_name: str) -> type[BaseHTTPRequestHandler]:
+class Prompter:
+    """The run, read at the first text (one at a time: the model is read once)."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir, self._loaded, self._lock = run_dir, None, threading.Lock()
+
+    def read(self, args: dict[str, str]) -> dict[str, Any]:
+        """The /api/prompt query: `text` (the model's tokenizer) or `ids` (comma-separated);
+        per token, the components firing there. ValueError with the line that refuses it."""
+        from pdecomp import prompt
+        from pdecomp.analyze import reads_tokens
+        from pdecomp.runs import RunDirError, load_run
+
+        with self._lock:
+            if self._loaded is None:
+                try:
+                    self._loaded = load_run(self.run_dir, log=lambda _: None,
+                                            whole_state=False)
+                except RunDirError as e:
+                    raise ValueError(str(e)) from None
+            if not reads_tokens(self._loaded.run):
+                raise ValueError(f"a {self._loaded.run.model.kind} run reads no tokens")
+            ids = prompt.token_ids(self._loaded, args.get("text"), args.get("ids"))
+            if isinstance(ids, str):
+                raise ValueError(ids)  # noqa: TRY004 - the refusal's one line, sent as a 400
+            return {"threshold": self._loaded.run.loss.ci_threshold,
+                    "tokens": prompt.per_token(self._loaded, ids)}
+
+
+def handler(tables: Tables, run_name: str, prompter: Prompter
+            ) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             url = urlparse(self.path)
@@ -105,6 +140,8 @@ def handler(tables: Tables, run_name: str) -> type[BaseHTTPRequestHandler]:
                     return self.json(tables.sites())
                 if url.path == "/api/components":
                     return self.json(components(tables, args))
+                if url.path == "/api/prompt":
+                    return self.json(prompter.read(args))
             except (KeyError, ValueError) as e:
                 return self.send(400, json.dumps({"error": str(e)}).encode(),
                                  "application/json")
@@ -151,7 +188,7 @@ def parser() -> Parser:
 
 def serve(run_dir: Path, host: str, port: int) -> ThreadingHTTPServer:
     tables = Tables(run_dir / "analysis" / "components")
-    return ThreadingHTTPServer((host, port), handler(tables, run_dir.name))
+    return ThreadingHTTPServer((host, port), handler(tables, run_dir.name, Prompter(run_dir)))
 
 
 def main(argv: Sequence[str], ready: threading.Event | None = None) -> int:

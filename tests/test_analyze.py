@@ -703,6 +703,25 @@ def test_the_viewer_pages_sorts_and_searches_in_a_browser(chromium: str, lm_repo
         len(first[k]) for k in ("input_tokens", "input_tokens_pmi", "next_tokens"))
     assert len(effects) == 16 and "suppresses:" in row
 
+    # a text read token by token: the components firing at each, strongest first, each a
+    # link to its row; a text this tokenizer-less run cannot encode is refused in one line
+    from pdecomp import prompt
+
+    ids = [3, 17, 5, 9]
+    want = prompt.firing(load_run(lm_report), ids)
+    assert any(want), want
+    dom, _ = view_rows(chromium, f"{viewer}#site={SITE}&prompt={','.join(map(str, ids))}&ids=1",
+                       tmp_path)
+    readings = re.findall(r'<tr class="reading" data-position="(\d+)">(.*?)</tr>', dom,
+                          re.DOTALL)
+    assert [int(t) for t, _ in readings] == list(range(len(ids)))
+    for (_, html), fired in zip(readings, want):
+        shown = re.findall(r'class="firing"[^>]*>([^<]*) #(\d+)</a>', html)
+        assert shown == [(s, str(c)) for s, c, _ in fired[:12]]
+        assert ("none above" in html) == (not fired)
+    dom, _ = view_rows(chromium, f"{viewer}#site={SITE}&prompt=hello", tmp_path)
+    assert "no tokenizer.json" in dom
+
 
 @pytest.mark.slow  # a deviceless compile
 def test_the_analysis_gates_deviceless_for_gpus_it_does_not_have(tmp_path: Path, env) -> None:
