@@ -311,7 +311,7 @@ def main() -> None:
 
 # Subcommands of their own, not Hydra jobs: `pdecomp <name> ...` -> the library's `main`.
 SUBCOMMANDS = {"analyze": "pdecomp.analyze", "convert": "pdecomp.from_gguf",
-               "export": "pdecomp.export", "prompt": "pdecomp.prompt",
+               "export": "pdecomp.export", "label": "pdecomp.labels", "prompt": "pdecomp.prompt",
                "tokenize": "pdecomp.text", "status": "launcher.status",
                "view": "pdecomp.view"}
 

@@ -31,6 +31,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pdecomp.commands import Parser, refuse
+from pdecomp.labels import FILE as LABELS
+from pdecomp.labels import read_labels
 
 SORTABLE = ("component", "frequency", "fired", "mean_ci", "max_ci", "norm",
             "ablation_dce")
@@ -48,9 +50,25 @@ class Tables:
         self.files = {pq.read_schema(p).metadata[b"site"].decode(): p
                       for p in sorted(components_dir.glob("*.parquet"))}
         self._read = functools.lru_cache(maxsize=4)(self._read_site)
+        self._seen: tuple[int | None, dict[tuple[str, int], str]] = (None, {})
 
     def _read_site(self, site: str) -> pa.Table:
         return pq.read_table(self.files[site])
+
+    def _labels(self, path: Path) -> dict[tuple[str, int], str]:
+        """The labels file, read again only when it has changed (`pdecomp label` may be
+        adding to it)."""
+        stamp = path.stat().st_mtime_ns if path.is_file() else None
+        if stamp is None or stamp != self._seen[0]:
+            self._seen = (stamp, read_labels(path.parent))
+        return self._seen[1]
+
+    def table(self, site: str) -> pa.Table:
+        """The site's table, with the labels `pdecomp label` has written so far."""
+        t = self._read(site)
+        labels = self._labels(self.dir.parent.parent / LABELS)
+        return t.append_column("label", pa.array(
+            [labels.get((site, c)) for c in t["component"].to_pylist()], pa.string()))
 
     def sites(self) -> list[dict[str, Any]]:
         """Per site: C, how many fire, how many positions were read (two columns only)."""
@@ -65,7 +83,7 @@ class Tables:
     def page(self, site: str, page: int, per: int, sort: str, desc: bool, q: str
              ) -> dict[str, Any]:
         """One page of a site's components, sorted and filtered."""
-        t = self._read(site)
+        t = self.table(site)
         if sort not in t.column_names:
             raise ValueError(f"sort={sort!r}: {site} has no such column")
         if q:
@@ -80,9 +98,10 @@ class Tables:
 
 
 def matches(t: pa.Table, q: str) -> pa.Array:
-    """Rows of component `#q`; else rows with a token containing `q` (case and surrounding
-    spaces ignored) among those it fires on or that follow it, and, where `q` is a number,
-    component `q` (a run without a tokenizer shows its tokens as numbers too)."""
+    """Rows of component `#q`; else rows whose label, or a token among those it fires on,
+    that follow it or that it promotes or suppresses, contains `q` (case and surrounding
+    spaces ignored), and, where `q` is a number, component `q` (a run without a tokenizer
+    shows its tokens as numbers too)."""
     q = q.strip()
     if q.startswith("#") and q[1:].isdigit():
         return pc.equal(t["component"], int(q[1:]))
@@ -91,6 +110,9 @@ def matches(t: pa.Table, q: str) -> pa.Array:
     hits = pa.array([any(want in (tok["token"] or "").strip().lower()
                          for col in columns for tok in row[col] or ())
                      for row in t.select(columns).to_pylist()], pa.bool_())
+    if "label" in t.column_names:
+        labelled = pc.match_substring(pc.utf8_lower(t["label"]), want)
+        hits = pc.or_(hits, pc.fill_null(labelled, False))
     if q.isdigit():
         hits = pc.or_(hits, pc.equal(t["component"], int(q)))
     return hits

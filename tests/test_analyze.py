@@ -8,6 +8,8 @@ import os
 import re
 import shutil
 import subprocess
+import threading
+import zlib
 from pathlib import Path
 
 import jax
@@ -721,6 +723,79 @@ def test_the_viewer_pages_sorts_and_searches_in_a_browser(chromium: str, lm_repo
         assert ("none above" in html) == (not fired)
     dom, _ = view_rows(chromium, f"{viewer}#site={SITE}&prompt=hello", tmp_path)
     assert "no tokenizer.json" in dom
+
+
+class ChatAPI:
+    """An OpenAI-compatible chat endpoint on a free local port: each answer names its
+    prompt's checksum; the first request is told to come back (429); a key other than
+    `sk-test` is refused (401)."""
+
+    def __init__(self):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.prompts: list[str] = []
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                first = not api.prompts and not getattr(api, "limited", False)
+                if self.headers["Authorization"] != "Bearer sk-test" or first:
+                    api.limited = True
+                    self.send_response(401 if not first else 429)
+                    self.send_header("Retry-After", "0")
+                    self.end_headers()
+                    return
+                text = body["messages"][0]["content"]
+                api.prompts.append(text)
+                out = json.dumps({"choices": [{"message": {
+                    "content": f" label {zlib.crc32(text.encode())}\nmore"}}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *_):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.base = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+
+@pytest.mark.slow  # shares the llama_tiny run
+def test_labels_come_from_the_api_resume_and_are_searched(
+        lm_report: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pdecomp label`: one prompt per firing component from its row (most frequent first,
+    --limit per site), the answer's first line appended as its label; a rate limit is
+    waited out; a second call labels only what the first did not; a refused key is one
+    line and exit 2 with the labels kept; the viewer finds a component by its label."""
+    from pdecomp import labels, view
+
+    run = shutil.copytree(lm_report, tmp_path / "run")
+    api = ChatAPI()
+    common = [str(run), "--api-base", api.base, "--api-key-env", "TEST_KEY", "--workers", "3"]
+    monkeypatch.delenv("TEST_KEY", raising=False)
+    assert labels.main([*common, "--limit", "2"]) == 2 and not (run / labels.FILE).exists()
+    monkeypatch.setenv("TEST_KEY", "sk-test")
+    assert labels.main([*common, "--limit", "2"]) == 0
+    assert labels.main([*common, "--limit", "3"]) == 0
+    got = labels.read_labels(run)
+    tables = sorted((run / "analysis" / "components").glob("*.parquet"))
+    want = {}
+    for path in tables:
+        site = pq.read_schema(path).metadata[b"site"].decode()
+        rows = sorted((r for r in pq.read_table(path).to_pylist() if not r["dead"]),
+                      key=lambda r: -r["frequency"])[:3]
+        want |= {(site, r["component"]): f"label {zlib.crc32(labels.prompt_for(site, r).encode())}"
+                 for r in rows}
+    assert got == want and len(api.prompts) == len(want) == 3 * len(tables)
+    monkeypatch.setenv("TEST_KEY", "sk-wrong")
+    assert labels.main([*common, "--limit", "4"]) == 2 and labels.read_labels(run) == got
+    (site, c), label = next(iter(got.items()))
+    found = view.Tables(run / "analysis" / "components").page(site, 0, 50, "component", False,
+                                                              label.upper())
+    assert [r["component"] for r in found["rows"]] == [c] and found["rows"][0]["label"] == label
 
 
 @pytest.mark.slow  # a deviceless compile

@@ -1,0 +1,198 @@
+"""`pdecomp label <run_dir>`: a short label per component, written by a language model
+through an OpenAI-compatible chat API, from what `pdecomp analyze` gathered.
+
+Each firing component's row of the analysis (its strongest and typical contexts, the tokens
+it fires on and that follow, the tokens it promotes and suppresses, its frequency) becomes
+one prompt; the answer's first line is its label. Labels are appended to
+`<run_dir>/labels.jsonl` as they come (one object per line: site, component, label, model),
+beside `analysis/`, so a stopped command loses nothing and the same command goes on with
+the components not labelled yet; a new analysis keeps them. `pdecomp view` shows them and
+searches them.
+
+The key is read from the environment (`--api-key-env`, default OPENAI_API_KEY), never from
+the command line; `--api-base` points at any OpenAI-compatible server (OpenRouter, vLLM,
+a local one). A rate limit or a server error is retried with backoff; a refused key ends
+the command at once with what was labelled so far kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from pdecomp.commands import Parser, progress_bar, refuse
+from pdecomp.exits import EXIT_BAD_CONFIG
+
+PROG = "pdecomp label"
+FILE = "labels.jsonl"
+RETRIES = 6  # attempts per component on a rate limit, a server error or a dropped line
+LABEL_CHARS = 120
+
+
+class KeyRefused(Exception):
+    """The API refused the key or the request itself (4xx other than a rate limit)."""
+
+
+def read_labels(run_dir: Path) -> dict[tuple[str, int], str]:
+    """(site, component) -> label, from `labels.jsonl` (a line cut short by a stop is
+    skipped; the latest label of a component wins)."""
+    out: dict[tuple[str, int], str] = {}
+    path = run_dir / FILE
+    if not path.is_file():
+        return out
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            r = json.loads(line)
+            out[(r["site"], int(r["component"]))] = r["label"]
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def _tokens(items: Sequence[dict[str, Any]] | None) -> str:
+    return ", ".join(json.dumps(t["token"], ensure_ascii=False) for t in items or ()) or "-"
+
+
+def prompt_for(site: str, row: dict[str, Any]) -> str:
+    """The question about one component, from its row of the analysis."""
+    lines = [
+        ("A weight matrix of a language model was decomposed into rank-one components; one "
+        f"component of {site} is shown by the text where it is active."),
+        f"It is active at {row['frequency']:.3%} of tokens.",
+        "Where it is most active (the token it is active on in [[ ]]):",
+        *(f"- {c['text']}" for c in row.get("top_contexts") or ()),
+        "Typical places where it is active:",
+        *(f"- {c['text']}" for c in row.get("sample_contexts") or ()),
+        f"Tokens it is active on, most often: {_tokens(row.get('input_tokens'))}",
+        f"Tokens that follow where it is active: {_tokens(row.get('next_tokens'))}",
+    ]
+    if row.get("promoted_tokens"):
+        lines += [f"Next tokens it makes more likely: {_tokens(row['promoted_tokens'])}",
+                  f"Next tokens it makes less likely: {_tokens(row['suppressed_tokens'])}"]
+    lines.append("In at most eight words, what does this component respond to or do? Reply "
+                 "with the label alone.")
+    return "\n".join(lines)
+
+
+def ask(base: str, key: str, model: str, prompt: str, timeout: float = 60) -> str:
+    """One chat completion's first line; retried with backoff on a rate limit, a server
+    error or a dropped connection; KeyRefused on another refusal."""
+    body = json.dumps({"model": model, "max_tokens": 40, "temperature": 0,
+                       "messages": [{"role": "user", "content": prompt}]}).encode()
+    request = urllib.request.Request(
+        f"{base.rstrip('/')}/chat/completions", body, method="POST",
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    for attempt in range(RETRIES):
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as r:
+                text = json.load(r)["choices"][0]["message"]["content"] or ""
+            return (text.strip().splitlines() or [""])[0].strip()[:LABEL_CHARS]
+        except urllib.error.HTTPError as e:
+            if e.code != 429 and e.code < 500:
+                raise KeyRefused(f"{base}: HTTP {e.code} {e.reason}") from None
+            wait = float(e.headers.get("Retry-After") or 2 ** attempt)
+        except (urllib.error.URLError, TimeoutError, ConnectionError):
+            wait = 2 ** attempt
+        if attempt + 1 < RETRIES:
+            time.sleep(min(wait, 60))
+    raise ConnectionError(f"{base}: no answer after {RETRIES} attempts")
+
+
+def todo(run_dir: Path, limit: int | None, done: dict[tuple[str, int], str]
+         ) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(site, row) of each firing component without a label: per site the most frequent
+    first, at most `limit` of them counted with those already labelled."""
+    for path in sorted((run_dir / "analysis" / "components").glob("*.parquet")):
+        site = pq.read_schema(path).metadata[b"site"].decode()
+        rows = [r for r in pq.read_table(path).to_pylist() if not r["dead"]]
+        rows.sort(key=lambda r: -r["frequency"])
+        for r in rows[:limit]:
+            if (site, r["component"]) not in done:
+                yield site, r
+
+
+def label_all(run_dir: Path, jobs: list[tuple[str, dict[str, Any]]],
+              answer: Callable[[str], str], workers: int, model: str,
+              progress: Callable[[int, int], None]) -> int:
+    """Label `jobs` on `workers` threads, each label appended as it comes; how many."""
+    n = 0
+    if not jobs:
+        return n
+    with (ThreadPoolExecutor(workers) as pool, (run_dir / FILE).open("a", encoding="utf-8")
+          as out):
+        futures = {pool.submit(answer, prompt_for(s, r)): (s, r["component"]) for s, r in jobs}
+        try:
+            for f in as_completed(futures):
+                site, c = futures[f]
+                out.write(json.dumps({"site": site, "component": c, "label": f.result(),
+                                      "model": model}, ensure_ascii=False) + "\n")
+                out.flush()
+                n += 1
+                progress(n, len(jobs))
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+    return n
+
+
+def parser() -> Parser:
+    p = Parser(prog=PROG, description="Label each firing component of an analysed run with "
+                                      "a language model (an OpenAI-compatible chat API).")
+    p.add_argument("run_dir", help="a run directory analysed by `pdecomp analyze`")
+    p.add_argument("--model", default="gpt-4o-mini", help="the API's model name")
+    p.add_argument("--api-base", default="https://api.openai.com/v1",
+                   help="an OpenAI-compatible API (default OpenAI's)")
+    p.add_argument("--api-key-env", default="OPENAI_API_KEY",
+                   help="the environment variable holding the key (default OPENAI_API_KEY)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="at most this many components per site, the most frequent first")
+    p.add_argument("--workers", type=int, default=8, help="requests in flight (default 8)")
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parser().parse_args(argv)
+    run_dir = Path(args.run_dir).absolute()
+    key = os.environ.get(args.api_key_env, "")
+    tables = sorted((run_dir / "analysis" / "components").glob("*.parquet"))
+    for bad, line in (
+            (not tables,
+             f"{run_dir}: no analysis/components/*.parquet (run `pdecomp analyze` on it first)"),
+            (tables and "top_contexts" not in pq.read_schema(tables[0]).names,
+             f"{run_dir}: its analysis has no contexts to label from (a language model's has)"),
+            (not key, (f"no key in ${args.api_key_env}: set it (or name another variable with "
+                      "--api-key-env)")),
+            (args.limit is not None and args.limit < 1, f"--limit={args.limit} must be >= 1"),
+            (args.workers < 1, f"--workers={args.workers} must be >= 1")):
+        if bad:
+            return refuse(PROG, line)
+    jobs = list(todo(run_dir, args.limit, read_labels(run_dir)))
+    update, stop = progress_bar(len(jobs), "components")
+    try:
+        n = label_all(run_dir, jobs, lambda p: ask(args.api_base, key, args.model, p),
+                      args.workers, args.model, update)
+    except KeyRefused as e:
+        print(f"{PROG}: {e}; the labels so far are in {run_dir / FILE}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    except ConnectionError as e:  # the same command goes on where this one stopped
+        print(f"{PROG}: {e}; the labels so far are in {run_dir / FILE}", file=sys.stderr)
+        return 1
+    finally:
+        stop()
+    print(f"{n} labels written to {run_dir / FILE} ({len(read_labels(run_dir))} in all)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
