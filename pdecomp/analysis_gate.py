@@ -74,7 +74,9 @@ def gate(run: Run, mesh: Mesh, o: harvest.Options, batch_size: int,
     _, report = gate_lib.compile_and_report(
         analysis_step, (target_abs, state_abs.components, state_abs.ci_fn, batch, key, cofire),
         donate_argnums=(5,), cap_bytes=cap, cap_source=source,  # as analyze's step donates
-        target=f"analysis on {mesh.size} {where} device(s)", mesh=dict(mesh.shape))
+        target=f"analysis on {mesh.size} {where} device(s)", mesh=dict(mesh.shape),
+        hosts=len({d.process_index for d in mesh.devices.flat}),
+        gpu=hardware.spec_of(target or "local", mesh.devices.flat[0].device_kind))
     return {**report, "batch_size": batch_size}
 
 

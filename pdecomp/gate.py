@@ -19,9 +19,14 @@ from typing import Any
 import jax
 import jaxlib
 
-from pdecomp import hardware
+from pdecomp import hardware, step_cost
 from pdecomp.units import GiB, fmt_bytes
-from pdecomp.xla_dump import compile_detached, largest_temps, persistent_cache_off
+from pdecomp.xla_dump import (
+    compile_detached,
+    largest_temps,
+    optimized_text,
+    persistent_cache_off,
+)
 
 
 def abstract(tree: Any) -> Any:
@@ -70,7 +75,8 @@ def target_cap_bytes(target: str, usable: hardware.UsableMemory) -> tuple[int, s
 def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, ...] = (),
                        out_shardings: Any = None, cap_bytes: int, cap_source: str, target: str,
                        mesh: dict[str, int], parts: dict[str, int] | None = None,
-                       top_temps: int = 0, detach: bool = False) -> tuple[Any, dict[str, Any]]:
+                       top_temps: int = 0, detach: bool = False, hosts: int = 1,
+                       gpu: hardware.GpuSpec | None = None) -> tuple[Any, dict[str, Any]]:
     """Lower and compile `fn` on abstract `args`; return the executable and the gate report.
 
     `out_shardings` pins the state's layout to its input layout, so the executable can be fed
@@ -83,6 +89,9 @@ def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, 
     the executable is None and there is no `xla_peak_bytes` (None). The sizes are those
     `memory_analysis()` reports (the same allocations, summed the same way); `parts`, the
     argument bytes per device, checks the reading (see `xla_dump.compile_detached`).
+
+    `step`: what the step computes and moves per device, read from the optimized module,
+    and on a GPU (`gpu`, over `hosts` hosts) the time that takes (pdecomp.step_cost).
     """
     t0 = time.perf_counter()
     traced = jax.jit(fn, donate_argnums=donate_argnums,
@@ -98,6 +107,7 @@ def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, 
                 lowered, sum(parts.values()) if parts else None)
         compile_s = time.perf_counter() - t0
         temps = largest_temps(dump, top_temps) if top_temps else []
+        text = optimized_text(dump) if compiled is None else compiled.as_text()
     else:
         dump_dir = tempfile.TemporaryDirectory(prefix="pdecomp-gate-") if top_temps else None
         with dump_dir or contextlib.nullcontext(), \
@@ -105,7 +115,7 @@ def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, 
             compiled = lowered.compile({"xla_dump_to": dump_dir.name} if dump_dir else None)
             compile_s = time.perf_counter() - t0
             temps = largest_temps(Path(dump_dir.name), top_temps) if dump_dir else []
-        sizes = None
+        sizes, text = None, compiled.as_text()
     sizes = sizes or analysis_sizes(compiled)
     arg, out, temp, alias = (sizes[k] for k in ("argument", "output", "temp", "alias"))
     peak = temp + arg + out - alias
@@ -122,12 +132,23 @@ def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, 
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "argument_parts_bytes": parts or {},
         "largest_temps": temps,
+        "step": step_report(text, math.prod(mesh.values()), hosts, gpu),
     }
     return compiled, report
 
 
+def step_report(text: str | None, n_devices: int, hosts: int,
+                gpu: hardware.GpuSpec | None) -> dict[str, Any] | None:
+    """gate.json's `step`: per device FLOPs, HBM bytes and collective bytes by kind, and
+    with a GPU's rates the roofline time (None where XLA left no optimized module)."""
+    if not text:
+        return None
+    cost = step_cost.measure(text, n_devices, hosts)
+    return {**cost, "time": step_cost.roofline(cost, gpu) if gpu else None}
+
+
 def uncompiled_report(*, argument_bytes: int, cap_bytes: int, cap_source: str, target: str,
-                      mesh: dict[str, int], parts: dict[str, int]) -> dict[str, Any]:
+                      mesh: dict[str, int], parts: dict[str, int], **_: Any) -> dict[str, Any]:
     """The report of a step not compiled: its arguments counted from their shapes, a lower
     bound of any compiled peak (peak = temp + argument + output − alias, and alias ≤
     output). Temp and output are unknown, 0 here; `compiled` is False, and the table says
@@ -141,7 +162,7 @@ def uncompiled_report(*, argument_bytes: int, cap_bytes: int, cap_source: str, t
         "compile_s": 0.0, "flops": None, "matmul_flops": None,
         "jax": jax.__version__, "jaxlib": jaxlib.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "argument_parts_bytes": parts, "largest_temps": [], "compiled": False,
+        "argument_parts_bytes": parts, "largest_temps": [], "compiled": False, "step": None,
         "note": "not compiled: the peak is the arguments alone, a lower bound",
     }
     return report
@@ -256,6 +277,7 @@ def format_report(report: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("matmul FLOPs / step", f"{report['matmul_flops']:.3e} (whole mesh)"))
     if report.get("flops"):
         rows.append(("XLA FLOPs", f"{report['flops']:.3e} (loop bodies once)"))
+    rows += step_rows(report.get("step"))
     if "fit" in report:
         fit = report["fit"]
         what = "batches" if fit["mode"] == "batch" else "microbatch counts"
@@ -263,4 +285,21 @@ def format_report(report: dict[str, Any]) -> list[tuple[str, str]]:
     if "measured_peak_bytes" in report:
         rows.append(("measured peak", fmt_bytes(report["measured_peak_bytes"])))
         rows.append(("predicted / measured", f"{report['predicted_over_measured']:.3f}"))
+    return rows
+
+
+def step_rows(step: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """The step's cost per device, and its predicted time where the rates are known."""
+    if not step:
+        return []
+    rows = [("step per device", (f"{step['flops']:.3e} FLOPs, {fmt_bytes(step['hbm_bytes'])} "
+                                "HBM read+written"))]
+    for kind, c in step["collectives"].items():
+        rows.append((f"  {kind}", (f"{c['count']} x, {fmt_bytes(c['bytes'])} sent"
+                                  f" ({fmt_bytes(c['network_bytes'])} across hosts)")))
+    if t := step.get("time"):
+        rows.append(("predicted step", (
+            f"{t['roofline_s']:.3g} s, {t['bound']}-bound (compute {t['compute_s']:.3g} s, "
+            f"HBM {t['hbm_s']:.3g} s, network {t['network_s']:.3g} s; "
+            f"no overlap {t['serial_s']:.3g} s)")))
     return rows

@@ -131,7 +131,8 @@ def gate(run: Run, run_dir: Path, detach: bool, log: Callable[[str], None]) -> G
     detach = (detach and run.gate.only and run.gate.fit == "none"
               and run.placement.deviceless and run.memory.remat != "offload")
     where = {"cap_bytes": cap, "cap_source": cap_source, "target": target_name(run, mesh),
-             "mesh": dict(mesh.shape)}
+             "mesh": dict(mesh.shape), "hosts": len({d.process_index for d in mesh.devices.flat}),
+             "gpu": hardware.spec_of(run.placement.target, mesh.devices.flat[0].device_kind)}
     compiler = Compiler(layout, target_abs, state_abs, where,
                         {"memory_env": memory_env} if memory_env else {}, detach)
     run, compiled, report = search(run, compiler, log)

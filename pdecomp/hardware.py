@@ -44,6 +44,12 @@ class GpuSpec:
     l2_bytes: int
     clock_ghz: float
     mem_clock_khz: int
+    # Published rates, for the gate's time model only (pdecomp.step_cost): dense bf16
+    # matmul FLOP/s, NVLink bytes/s one way per GPU, inter-host network bytes/s per GPU
+    # (one 400 Gb/s NIC per GPU, as DGX H100, H200 and B200 systems have).
+    bf16_flops: float = 989.4e12
+    nvlink_bandwidth: float = 450e9
+    network_bandwidth: float = 50e9
     shared_memory_per_sm: int = 233_472  # 228 KiB on sm_90 and sm_100
     shared_memory_per_block_optin: int = 232_448
     pcie_bandwidth: int = 34_359_738_368
@@ -62,8 +68,15 @@ GPUS: dict[str, GpuSpec] = {
                     mem_clock_khz=3_201_000),
     "b200": GpuSpec("NVIDIA B200", (10, 0), sm_count=148, memory_bytes=191_514_411_008,
                     memory_bandwidth=7_672_320_000_000, l2_bytes=132_644_864, clock_ghz=1.965,
-                    mem_clock_khz=3_996_000, pcie_bandwidth=68_719_476_736),
+                    mem_clock_khz=3_996_000, pcie_bandwidth=68_719_476_736,
+                    bf16_flops=2.25e15, nvlink_bandwidth=900e9),
 }
+
+
+def spec_of(target: str, device_kind: str) -> GpuSpec | None:
+    """The card a gate is for: its GPU target's, else the local device's, by the kind CUDA
+    reports (None: not a GPU in the table)."""
+    return GPUS.get(target) or next((g for g in GPUS.values() if g.name == device_kind), None)
 
 
 def card_bytes(device_kind: str) -> int | None:

@@ -146,6 +146,12 @@ def assignment_sizes(path: Path) -> dict[str, int]:
     return sizes
 
 
+def optimized_text(dump_dir: Path) -> str | None:
+    """The optimized, partitioned module XLA dumped (its last one), as text."""
+    hlo = sorted(dump_dir.glob(_OPTIMIZED_HLO))
+    return hlo[-1].read_text() if hlo else None
+
+
 def compile_in_flight() -> bool:
     return any(t.is_alive() for t, _ in _detached)
 

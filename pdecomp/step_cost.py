@@ -1,0 +1,274 @@
+"""What one compiled step computes and moves on each device, and the time that takes at a
+target's published rates: a roofline read from XLA's optimized, partitioned module.
+
+From the module's text (`compiled.as_text()`, or the `*after_optimizations.txt` of a dump:
+a deviceless gate has no executable to ask), each instruction counts as often as it runs:
+a while loop's body as many times as its known trip count (XLA records it on the loop; a
+scanned layer stack is such a loop), a fusion's body as often as the fusion. Per device:
+
+- **FLOPs**: 2 x multiply-adds of every dot (and cuBLAS call), wherever it sits;
+- **HBM bytes**: what each top-level instruction (a fusion, a copy, a collective, a custom
+  call) reads and writes, its operands and its result, as XLA's own cost analysis counts
+  them (a fusion's intermediates stay on chip);
+- **collective bytes** by kind, each sent and received once per device by the usual ring
+  algorithms over a group of n: an all-gather sends (n - 1)/n of its result, a
+  reduce-scatter (n - 1) of its result (n - 1)/n of its input), an all-reduce twice
+  (n - 1)/n of its buffer, an all-to-all (n - 1)/n, a collective-permute its buffer; a
+  group within one host goes over NVLink, one across hosts over the network.
+
+The time: compute at the dense bf16 rate, HBM at its bandwidth, each collective at its
+link's rate; the step takes the largest of the three with full overlap (`roofline_s`, its
+`bound` named), the sum of compute and network with none (`serial_s`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+COLLECTIVES = {"all-gather": "all-gather", "all-gather-start": "all-gather",
+               "all-reduce": "all-reduce", "all-reduce-start": "all-reduce",
+               "reduce-scatter": "reduce-scatter", "all-to-all": "all-to-all",
+               "ragged-all-to-all": "all-to-all", "collective-permute": "collective-permute",
+               "collective-permute-start": "collective-permute"}
+# No data of their own moved: names for other buffers, control, or a loop's bookkeeping.
+FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call",
+        "conditional", "after-all", "partition-id", "replica-id", "all-gather-done",
+        "all-reduce-done", "collective-permute-done", "async-done", "async-update",
+        "copy-done", "send-done", "recv-done", "opt-barrier", "domain", "add-dependency",
+        "async-start"}
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+          "s4": 0.5, "u4": 0.5}
+_ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
+_COMPUTATION = re.compile(r"^(ENTRY )?%([\w.\-]+) .*\{$")
+_INSTRUCTION = re.compile(r"^\s*(ROOT )?%([\w.\-]+) = (.*)$")
+_CALLS = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation|"
+                    r"branch_computations|called_computations)=(\{[^}]*\}|%[\w.\-]+)")
+
+
+@dataclass(frozen=True)
+class Instruction:
+    name: str
+    shape: str
+    op: str
+    operands: list[str]  # the names of the instructions it reads
+    attrs: str  # everything after the operands
+    args: str = ""  # the operands as written (a parameter's number)
+    root: bool = False
+
+
+def array_bytes(shape: str) -> int:
+    """Bytes of every array in a shape (a tuple's elements summed)."""
+    return int(sum(_BYTES.get(t, 1 if t.startswith("f8") else 4) * math.prod(
+        int(d) for d in dims.split(",") if d) for t, dims in _ARRAY.findall(shape)))
+
+
+def _split_shape(rest: str) -> tuple[str, str]:
+    """(shape, what follows it) of an instruction's right-hand side."""
+    if not rest.startswith("("):
+        shape, _, tail = rest.partition(" ")
+        return shape, tail
+    depth = 0
+    for i, ch in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            return rest[:i + 1], rest[i + 2:]
+    return rest, ""
+
+
+def parse(text: str) -> tuple[dict[str, list[Instruction]], str]:
+    """The module's computations (name -> instructions) and the entry's name."""
+    computations: dict[str, list[Instruction]] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        if m := _COMPUTATION.match(line):
+            current = computations.setdefault(m.group(2), [])
+            entry = m.group(2) if m.group(1) else entry
+        elif line.startswith("}"):
+            current = None
+        elif current is not None and (m := _INSTRUCTION.match(line)):
+            shape, tail = _split_shape(m.group(3))
+            op, _, args = tail.partition("(")
+            operands, _, attrs = args.partition(")")
+            current.append(Instruction(m.group(2), shape, op.strip(),
+                                       re.findall(r"%([\w.\-]+)", operands), attrs, operands,
+                                       bool(m.group(1))))
+    return computations, entry
+
+
+def multipliers(computations: dict[str, list[Instruction]], entry: str
+                ) -> tuple[dict[str, int], set[str]]:
+    """How many times each computation runs per step, and those whose instructions stay on
+    chip (fusion bodies, reducers): counted for FLOPs, not for HBM traffic."""
+    runs: dict[str, int] = defaultdict(int)
+    runs[entry] = 1
+    inner: set[str] = set()
+    order = [entry]
+    for name in order:  # callers before callees: a computation is called from one place
+        for ins in computations.get(name, []):
+            trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
+            for key, value in _CALLS.findall(ins.attrs):
+                for child in re.findall(r"%?([\w.\-]+)", value.strip("{}")):
+                    times = int(trip.group(1)) if trip and key in ("body", "condition") else 1
+                    runs[child] += runs[name] * times
+                    if ins.op == "fusion" or key == "to_apply":
+                        inner.add(child)
+                    if child not in order:
+                        order.append(child)
+    return dict(runs), inner
+
+
+def group_members(attrs: str, n_devices: int) -> list[int]:
+    """The device ids of one replica group of a collective (all of them where none is
+    named), in any of the forms XLA prints."""
+    if m := re.search(r"replica_groups=\{\{([\d,]*)\}", attrs):
+        return [int(i) for i in m.group(1).split(",") if i]
+    if m := re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs):
+        dims = [int(d) for d in m.group(3).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(4):
+            ids = ids.transpose([int(p) for p in m.group(4).split(",")])
+        return ids.reshape(int(m.group(1)), int(m.group(2)))[0].tolist()
+    if m := re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs):
+        axes = [(a, int(n)) for a, n in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
+        chosen = set(re.findall(r"'([^']+)'", m.group(2)))
+        varied = [n if a in chosen else 1 for a, n in axes]  # the others held at 0
+        return sorted(int(np.ravel_multi_index(idx, [n for _, n in axes]))
+                      for idx in np.ndindex(*varied))
+    if pairs := re.findall(r"\{(\d+),(\d+)\}", attrs.split("source_target_pairs=", 1)[-1]
+                           if "source_target_pairs=" in attrs else ""):
+        return sorted({int(i) for pair in pairs for i in pair})  # every device it links
+    return list(range(n_devices))
+
+
+def sent_bytes(kind: str, size: int, n: int) -> float:
+    """Bytes one device sends (and receives) in a collective of result `size` over n."""
+    share = (n - 1) / n
+    return {"all-gather": size * share, "reduce-scatter": size * (n - 1),
+            "all-reduce": 2 * size * share, "all-to-all": size * share,
+            "collective-permute": size}[kind]
+
+
+def _result_bytes(ins: Instruction) -> int:
+    """A collective's result: the last array of an async start's tuple (its destination)."""
+    if ins.op.endswith("-start") and ins.shape.startswith("("):
+        arrays = _ARRAY.findall(ins.shape)
+        wanted = arrays[1] if ins.op == "collective-permute-start" else arrays[-1]
+        return array_bytes(f"{wanted[0]}[{wanted[1]}]")
+    return array_bytes(ins.shape)
+
+
+def dot_flops(ins: Instruction, shapes: dict[str, str]) -> int:
+    """2 x multiply-adds of a dot or a cuBLAS matmul call (0 for anything else)."""
+    if ins.op == "dot":
+        dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
+    elif ins.op == "custom-call" and ("matmul" in ins.attrs or "gemm" in ins.attrs):
+        dims = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
+    else:
+        return 0
+    if not dims or not ins.operands or ins.operands[0] not in shapes:
+        return 0
+    lhs = [int(d) for d in (_ARRAY.findall(shapes[ins.operands[0]]) or [("", "")])[0][1]
+           .split(",") if d]
+    k = math.prod(lhs[int(d)] for d in re.findall(r"\d+", dims.group(1)) if int(d) < len(lhs))
+    out = _ARRAY.findall(ins.shape)[0][1]
+    return 2 * k * math.prod(int(d) for d in out.split(",") if d)
+
+
+SLICING = {"dynamic-slice", "slice", "gather"}
+
+
+def hbm_bytes(ins: Instruction, computations: dict[str, list[Instruction]],
+              shapes: dict[str, str]) -> int:
+    """What a top-level instruction reads and writes in HBM: its operands and its result,
+    but, as XLA counts them, only the part a slice reads of its operand, and only the
+    update an in-place dynamic-update-slice writes into its buffer (one layer's weights
+    read from the stack of all of them, its gradient written back into one)."""
+    if ins.op in SLICING:
+        return 2 * array_bytes(ins.shape)
+    if ins.op == "dynamic-update-slice":
+        return 2 * array_bytes(shapes.get(ins.operands[1], ""))
+    called = re.search(r"calls=%([\w.\-]+)", ins.attrs) if ins.op == "fusion" else None
+    body = computations.get(called.group(1), []) if called else []
+    params = {i.name: int(i.args) for i in body if i.op == "parameter" and i.args.isdigit()}
+    users: dict[str, list[Instruction]] = defaultdict(list)
+    for i in body:
+        for o in i.operands:
+            users[o].append(i)
+    written, in_place = array_bytes(ins.shape), None
+    root = next((i for i in body if i.root), None)
+    if root and root.op == "dynamic-update-slice" and root.operands[0] in params:
+        in_place = params[root.operands[0]]  # the buffer: written in place, not copied
+        written = array_bytes(shapes.get(root.operands[1], ""))
+    by_number = {k: n for n, k in params.items()}
+    read = 0
+    for k, o in enumerate(ins.operands):
+        uses = users.get(by_number.get(k, ""), [])
+        if k == in_place:
+            continue
+        read += (sum(array_bytes(u.shape) for u in uses)
+                 if uses and all(u.op in SLICING for u in uses) else array_bytes(shapes.get(o, "")))
+    return written + read
+
+
+def _crosses_hosts(ins: Instruction, members: list[int], per_host: int) -> bool:
+    if ins.op.startswith("collective-permute"):
+        pairs = re.findall(r"\{(\d+),(\d+)\}", ins.attrs.split("source_target_pairs=")[-1])
+        return any(int(a) // per_host != int(b) // per_host for a, b in pairs)
+    return len({m // per_host for m in members}) > 1
+
+
+def measure(text: str, n_devices: int, hosts: int = 1) -> dict[str, Any]:
+    """Per device, one step: `flops`, `hbm_bytes`, and per collective kind its `count`,
+    `bytes` sent (as many received) and the part of them that crosses hosts."""
+    computations, entry = parse(text)
+    runs, inner = multipliers(computations, entry)
+    shapes = {i.name: i.shape for c in computations.values() for i in c}
+    per_host = max(n_devices // max(hosts, 1), 1)
+    flops = hbm = 0
+    moved: dict[str, dict[str, float]] = {}
+    for name, instructions in computations.items():
+        times = runs.get(name, 0)
+        for ins in instructions if times else ():
+            flops += times * dot_flops(ins, shapes)
+            if name in inner or ins.op in FREE:
+                continue
+            hbm += times * hbm_bytes(ins, computations, shapes)
+            if (kind := COLLECTIVES.get(ins.op)) is None:
+                continue
+            members = group_members(ins.attrs, n_devices)
+            if len(members) < 2:
+                continue
+            sent = times * sent_bytes(kind, _result_bytes(ins), len(members))
+            row = moved.setdefault(kind, {"count": 0, "bytes": 0.0, "network_bytes": 0.0})
+            row["count"] += times
+            row["bytes"] += sent
+            row["network_bytes"] += sent if _crosses_hosts(ins, members, per_host) else 0.0
+    return {"flops": int(flops), "hbm_bytes": int(hbm),
+            "collectives": {k: {"count": int(v["count"]), "bytes": int(v["bytes"]),
+                                "network_bytes": int(v["network_bytes"])}
+                            for k, v in sorted(moved.items())}}
+
+
+def roofline(cost: dict[str, Any], spec: Any) -> dict[str, Any]:
+    """The step's time at `spec`'s published rates (hardware.GpuSpec): compute, HBM and
+    network each alone, the largest of them (full overlap) and its name, and compute plus
+    network (none)."""
+    moved = cost["collectives"].values()
+    network = sum(c["network_bytes"] for c in moved)
+    nvlink = sum(c["bytes"] for c in moved) - network
+    times = {"compute": cost["flops"] / spec.bf16_flops,
+             "hbm": cost["hbm_bytes"] / spec.memory_bandwidth,
+             "network": nvlink / spec.nvlink_bandwidth + network / spec.network_bandwidth}
+    bound = max(times, key=lambda k: times[k])
+    return {"compute_s": times["compute"], "hbm_s": times["hbm"],
+            "network_s": times["network"], "roofline_s": times[bound], "bound": bound,
+            "serial_s": times["compute"] + times["network"],
+            "rates": {"bf16_flops": spec.bf16_flops, "hbm": spec.memory_bandwidth,
+                      "nvlink": spec.nvlink_bandwidth, "network": spec.network_bandwidth}}
