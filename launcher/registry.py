@@ -20,6 +20,7 @@ from pdecomp.config import (
     ConfigError,
     ModelConfig,
     RunConfig,
+    expand_C,
     expand_sites,
 )
 from pdecomp.hub import local_model_dir
@@ -116,4 +117,5 @@ def to_run_config(cfg: DictConfig | dict[str, Any]) -> RunConfig:
     except ConfigError:  # a bad model: validation names it first, sites unexpanded
         return cfg
     sites = type(cfg.layers.sites)(expand_sites(cfg.layers.sites, known))  # as from_dict has it
-    return dataclasses.replace(cfg, layers=dataclasses.replace(cfg.layers, sites=sites))
+    return dataclasses.replace(cfg, layers=dataclasses.replace(
+        cfg.layers, sites=sites, C_per_site=expand_C(cfg.layers.C_per_site, sites)))

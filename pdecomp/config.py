@@ -441,6 +441,20 @@ def expand_sites(patterns: Sequence[str], known: Sequence[str]) -> tuple[str, ..
     return tuple(out)
 
 
+def expand_C(per_site: Mapping[str, int], sites: Sequence[str]) -> dict[str, int]:
+    """`layers.C_per_site` by decomposed site. A key is a site, a pattern over them as in
+    `layers.sites` (`layers.0-15.mlp`), or a matrix's own name (`k_proj`: that matrix in
+    every layer); a later key wins over an earlier one. A key that names no decomposed
+    site stays as it is, for the validation to name."""
+    out: dict[str, int] = {}
+    for key, c in per_site.items():
+        parts = key.split(".")
+        matched = [s for s in sites if s == key or (
+            s.rsplit(".", 1)[-1] == key if len(parts) == 1 else _matches(parts, s.split(".")))]
+        out.update(dict.fromkeys(matched or [key], c))
+    return out
+
+
 def _matches(pattern: list[str], site: list[str]) -> bool:
     if len(pattern) > len(site):
         return False

@@ -63,6 +63,32 @@ class Instruction:
     root: bool = False
 
 
+def elements(shape: str) -> list[str]:
+    """The top-level elements of a tuple shape (a shape that is no tuple: itself)."""
+    shape = re.sub(r"/\*[^*]*\*/", "", shape).strip()
+    if not shape.startswith("("):
+        return [shape]
+    out, depth, start = [], 0, 1
+    for i, ch in enumerate(shape):
+        depth += {"(": 1, ")": -1, "{": 1, "}": -1, "[": 1, "]": -1}.get(ch, 0)
+        if (ch == "," and depth == 1) or depth == 0:
+            out.append(shape[start:i].strip())
+            start = i + 1
+        if depth == 0:
+            break
+    return [e for e in out if e]
+
+
+def shape_of(operand: str, shapes: dict[str, str]) -> str:
+    """An operand's shape: an instruction's, or an element of its tuple (`%t#3`)."""
+    name, *path = operand.split("#")
+    shape = shapes.get(name, "")
+    for k in path:
+        parts = elements(shape)
+        shape = parts[int(k)] if int(k) < len(parts) else ""
+    return shape
+
+
 def array_bytes(shape: str) -> int:
     """Bytes of every array in a shape (a tuple's elements summed)."""
     return int(sum(_BYTES.get(t, 1 if t.startswith("f8") else 4) * math.prod(
@@ -97,8 +123,8 @@ def parse(text: str) -> tuple[dict[str, list[Instruction]], str]:
             op, _, args = tail.partition("(")
             operands, _, attrs = args.partition(")")
             current.append(Instruction(m.group(2), shape, op.strip(),
-                                       re.findall(r"%([\w.\-]+)", operands), attrs, operands,
-                                       bool(m.group(1))))
+                                       re.findall(r"%([\w.\-]+(?:#\d+)*)", operands), attrs,
+                                       operands, bool(m.group(1))))
     return computations, entry
 
 
@@ -112,6 +138,8 @@ def multipliers(computations: dict[str, list[Instruction]], entry: str
     order = [entry]
     for name in order:  # callers before callees: a computation is called from one place
         for ins in computations.get(name, []):
+            if ins.op.endswith(("-done", "-update")):  # the same work as its start
+                continue
             trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
             for key, value in _CALLS.findall(ins.attrs):
                 for child in re.findall(r"%?([\w.\-]+)", value.strip("{}")):
@@ -155,12 +183,12 @@ def sent_bytes(kind: str, size: int, n: int) -> float:
             "collective-permute": size}[kind]
 
 
-def _result_bytes(ins: Instruction) -> int:
-    """A collective's result: the last array of an async start's tuple (its destination)."""
-    if ins.op.endswith("-start") and ins.shape.startswith("("):
-        arrays = _ARRAY.findall(ins.shape)
-        wanted = arrays[1] if ins.op == "collective-permute-start" else arrays[-1]
-        return array_bytes(f"{wanted[0]}[{wanted[1]}]")
+def _result_bytes(ins: Instruction, shapes: dict[str, str]) -> int:
+    """A collective's result: for an async start, its destination buffer (the start's
+    tuple is (operands, results, ...))."""
+    if ins.op.endswith("-start") and ins.op != "all-reduce-start" and ins.shape.startswith("("):
+        parts = elements(ins.shape)
+        return array_bytes(parts[1] if len(parts) > 1 else parts[0])
     return array_bytes(ins.shape)
 
 
@@ -172,10 +200,10 @@ def dot_flops(ins: Instruction, shapes: dict[str, str]) -> int:
         dims = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
     else:
         return 0
-    if not dims or not ins.operands or ins.operands[0] not in shapes:
+    lhs_shape = shape_of(ins.operands[0], shapes) if ins.operands else ""
+    if not dims or not lhs_shape:
         return 0
-    lhs = [int(d) for d in (_ARRAY.findall(shapes[ins.operands[0]]) or [("", "")])[0][1]
-           .split(",") if d]
+    lhs = [int(d) for d in (_ARRAY.findall(lhs_shape) or [("", "")])[0][1].split(",") if d]
     k = math.prod(lhs[int(d)] for d in re.findall(r"\d+", dims.group(1)) if int(d) < len(lhs))
     out = _ARRAY.findall(ins.shape)[0][1]
     return 2 * k * math.prod(int(d) for d in out.split(",") if d)
@@ -193,27 +221,43 @@ def hbm_bytes(ins: Instruction, computations: dict[str, list[Instruction]],
     if ins.op in SLICING:
         return 2 * array_bytes(ins.shape)
     if ins.op == "dynamic-update-slice":
-        return 2 * array_bytes(shapes.get(ins.operands[1], ""))
+        return 2 * array_bytes(shape_of(ins.operands[1], shapes))
     called = re.search(r"calls=%([\w.\-]+)", ins.attrs) if ins.op == "fusion" else None
-    body = computations.get(called.group(1), []) if called else []
-    params = {i.name: int(i.args) for i in body if i.op == "parameter" and i.args.isdigit()}
+    body = {i.name: i for i in computations.get(called.group(1), [])} if called else {}
+
+    def origin(name: str) -> str:  # through bitcasts, which move nothing
+        while name in body and body[name].op == "bitcast":
+            name = body[name].operands[0]
+        return name
+
+    params = {i.name: int(i.args) for i in body.values()
+              if i.op == "parameter" and i.args.isdigit()}
     users: dict[str, list[Instruction]] = defaultdict(list)
-    for i in body:
-        for o in i.operands:
-            users[o].append(i)
-    written, in_place = array_bytes(ins.shape), None
-    root = next((i for i in body if i.root), None)
-    if root and root.op == "dynamic-update-slice" and root.operands[0] in params:
-        in_place = params[root.operands[0]]  # the buffer: written in place, not copied
-        written = array_bytes(shapes.get(root.operands[1], ""))
+    for i in body.values():
+        for o in i.operands if i.op != "bitcast" else ():
+            users[origin(o)].append(i)
+    root = next((i for i in body.values() if i.root), None)
+    outputs = ([body.get(origin(o)) for o in root.operands] if root and root.op == "tuple"
+               else [body.get(origin(root.name))] if root else [])
+    written, in_place = 0, set()
+    for out, shape in zip(outputs, elements(ins.shape)) if outputs else ():
+        if out and out.op == "dynamic-update-slice" and origin(out.operands[0]) in params:
+            in_place.add(params[origin(out.operands[0])])  # written in place, not copied
+            written += array_bytes(body[out.operands[1]].shape if out.operands[1] in body
+                                   else "")
+        else:
+            written += array_bytes(shape)
+    if not outputs:
+        written = array_bytes(ins.shape)
     by_number = {k: n for n, k in params.items()}
     read = 0
     for k, o in enumerate(ins.operands):
         uses = users.get(by_number.get(k, ""), [])
-        if k == in_place:
+        if k in in_place:
             continue
         read += (sum(array_bytes(u.shape) for u in uses)
-                 if uses and all(u.op in SLICING for u in uses) else array_bytes(shapes.get(o, "")))
+                 if uses and all(u.op in SLICING for u in uses) else
+                 array_bytes(shape_of(o, shapes)))
     return written + read
 
 
@@ -245,7 +289,7 @@ def measure(text: str, n_devices: int, hosts: int = 1) -> dict[str, Any]:
             members = group_members(ins.attrs, n_devices)
             if len(members) < 2:
                 continue
-            sent = times * sent_bytes(kind, _result_bytes(ins), len(members))
+            sent = times * sent_bytes(kind, _result_bytes(ins, shapes), len(members))
             row = moved.setdefault(kind, {"count": 0, "bytes": 0.0, "network_bytes": 0.0})
             row["count"] += times
             row["bytes"] += sent

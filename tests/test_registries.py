@@ -154,3 +154,23 @@ def test_site_patterns_expand_in_the_targets_order():
                    "loss.recon.chunkwise.sites_per_chunk=32", "data.source=synthetic"])
     assert len(cfg.layers.sites) == 96 and tuple(cfg.layers.sites[:2]) == (
         "layers.0.mlp.gate_proj", "layers.0.mlp.up_proj")
+
+
+def test_C_per_site_keys_are_sites_patterns_or_a_matrix_name():
+    """`layers.C_per_site`: a matrix's name sets it in every layer, a pattern its sites, a
+    later key wins; a key naming no decomposed site is left for the validation to refuse.
+    The whole-8B preset: the recipe's C per matrix over its 224 sites."""
+    from launcher.api import compose
+    from pdecomp.config import expand_C
+    from pdecomp.kinds import site_C
+
+    sites = [f"layers.{i}.{w}" for i in range(2) for w in ("self_attn.k_proj", "mlp.up_proj")]
+    assert expand_C({"k_proj": 8, "layers.1.mlp": 5, "layers.1.self_attn.k_proj": 3}, sites) == {
+        "layers.0.self_attn.k_proj": 8, "layers.1.self_attn.k_proj": 3, "layers.1.mlp.up_proj": 5}
+    assert expand_C({"q_proj": 8}, sites) == {"q_proj": 8}
+    with pytest.raises(ConfigError, match="layers.C_per_site.q_proj"):
+        compose(["+experiment=llama_tiny_chunkwise", "+layers.C_per_site.q_proj=8"])
+    cfg = compose(["+experiment=llama8b_all", "data.source=synthetic"])
+    C = site_C(cfg.model, cfg.layers)
+    assert len(C) == 224 and sum(C.values()) == 32 * (2 * 4096 + 2 * 1024 + 3 * 14336)
+    assert C["layers.7.self_attn.k_proj"] == 1024 and C["layers.31.mlp.down_proj"] == 14336
