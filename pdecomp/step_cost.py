@@ -23,6 +23,7 @@ link's rate; the step takes the largest of the three with full overlap (`rooflin
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections import defaultdict
@@ -63,6 +64,7 @@ class Instruction:
     root: bool = False
 
 
+@functools.lru_cache(maxsize=4096)
 def elements(shape: str) -> list[str]:
     """The top-level elements of a tuple shape (a shape that is no tuple: itself)."""
     shape = re.sub(r"/\*[^*]*\*/", "", shape).strip()
@@ -135,7 +137,7 @@ def multipliers(computations: dict[str, list[Instruction]], entry: str
     runs: dict[str, int] = defaultdict(int)
     runs[entry] = 1
     inner: set[str] = set()
-    order = [entry]
+    order, seen = [entry], {entry}
     for name in order:  # callers before callees: a computation is called from one place
         for ins in computations.get(name, []):
             if ins.op.endswith(("-done", "-update")):  # the same work as its start
@@ -147,7 +149,8 @@ def multipliers(computations: dict[str, list[Instruction]], entry: str
                     runs[child] += runs[name] * times
                     if ins.op == "fusion" or key == "to_apply":
                         inner.add(child)
-                    if child not in order:
+                    if child not in seen:
+                        seen.add(child)
                         order.append(child)
     return dict(runs), inner
 

@@ -100,3 +100,20 @@ def test_hbm_bytes_of_a_loop_free_step_are_xlas_own() -> None:
     assert mine["hbm_bytes"] == pytest.approx(cost["bytes accessed"], rel=1e-4)
     assert mine["flops"] == 3 * 2 * (256 * 512 * 1024 + 256 * 1024 * 512) - 2 * 256 * 512 * 1024
     assert mine["collectives"] == {}
+
+
+def test_a_loops_body_counts_as_often_as_it_runs() -> None:
+    """A scan of 6 layers, forward and backward: 3 matmuls a layer, 6 times (XLA's own cost
+    analysis counts the body once)."""
+    import jax
+    import jax.numpy as jnp
+
+    def grads(Ws, x):
+        def loss(Ws):
+            h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, Ws)
+            return jnp.mean(h ** 2)
+        return jax.grad(loss)(Ws)
+
+    compiled = jax.jit(grads).lower(jax.ShapeDtypeStruct((6, 512, 512), jnp.float32),
+                                    jax.ShapeDtypeStruct((256, 512), jnp.float32)).compile()
+    assert step_cost.measure(compiled.as_text(), 1)["flops"] == 6 * 3 * 2 * 256 * 512 * 512

@@ -1,0 +1,73 @@
+"""The whole Llama-3.1-8B (`+experiment=llama8b_all`, 224 sites) gated deviceless for B200s
+at each batch and mesh: peak, largest buffers, FLOPs, collective bytes and the predicted
+step; the rows go into bench/results.json under "whole_8b" (bench/RESULTS.md's table).
+
+    .venv/bin/python bench/bench_whole_8b.py                 # every case (minutes each)
+    .venv/bin/python bench/bench_whole_8b.py b128_x32         # one of them
+    .venv/bin/python bench/bench_whole_8b.py b128_x32=DIR     # read a gate already run in DIR
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PDECOMP = ROOT / ".venv" / "bin" / "pdecomp"
+RESULTS = ROOT / "bench" / "results.json"
+CASES = {  # name: (overrides, GPUs, positions a step)
+    "b128_x32": (["mesh=fsdp4x8", "data.batch_size=128"], 32, 128 * 512),
+    "b256_x32": (["mesh=fsdp4x8", "data.batch_size=256"], 32, 256 * 512),
+    "b1024_x128": (["mesh=fsdp16x8", "data.batch_size=1024"], 128, 1024 * 512),
+}
+
+
+def gate(overrides: list[str], run_dir: Path) -> tuple[dict, float]:
+    """Run the deviceless gate into run_dir: its report and the wall seconds it took."""
+    t0 = time.perf_counter()
+    subprocess.run([str(PDECOMP), "+experiment=llama8b_all", "gate.only=true",
+                    "gate.target=b200", *overrides, f"hydra.run.dir={run_dir}",
+                    "logging.wandb.mode=disabled"], check=False, capture_output=True)
+    return json.loads((run_dir / "gate.json").read_text()), time.perf_counter() - t0
+
+
+def row(name: str, report: dict, wall_s: float | None) -> dict:
+    _, gpus, positions = CASES[name]
+    step = report["step"] or {}
+    t = step.get("time") or {}
+    return {"case": name, "gpus": gpus, "batch_positions": positions,
+            "peak_gib": report["peak_bytes"] / 2**30, "fits": report["fits"],
+            "cap_gib": report["cap_bytes"] / 2**30,
+            "argument_parts_gib": {k: v / 2**30 for k, v in
+                                   report["argument_parts_bytes"].items()},
+            "largest_temps": report["largest_temps"][:3],
+            "matmul_flops": report["matmul_flops"], "flops_per_device": step.get("flops"),
+            "hbm_bytes_per_device": step.get("hbm_bytes"),
+            "collectives": step.get("collectives"), "time": t,
+            "tokens_per_s_per_gpu": positions / t["roofline_s"] / gpus if t else None,
+            "compile_s": report["compile_s"], "wall_s": wall_s}
+
+
+def main(argv: list[str]) -> None:
+    wanted = argv or list(CASES)
+    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    rows = {r["case"]: r for r in data.get("whole_8b", {}).get("rows", [])}
+    for item in wanted:
+        name, _, given = item.partition("=")
+        if given:
+            report, wall = json.loads((Path(given) / "gate.json").read_text()), None
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                report, wall = gate(CASES[name][0], Path(tmp) / "run")
+        rows[name] = row(name, report, wall)
+        print(json.dumps(rows[name], default=str))
+    data["whole_8b"] = {"command": "bench/bench_whole_8b.py", "rows": list(rows.values())}
+    RESULTS.write_text(json.dumps(data, indent=1, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
