@@ -89,9 +89,6 @@ def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, 
     the executable is None and there is no `xla_peak_bytes` (None). The sizes are those
     `memory_analysis()` reports (the same allocations, summed the same way); `parts`, the
     argument bytes per device, checks the reading (see `xla_dump.compile_detached`).
-
-    `step`: what the step computes and moves per device, read from the optimized module,
-    and on a GPU (`gpu`, over `hosts` hosts) the time that takes (pdecomp.step_cost).
     """
     t0 = time.perf_counter()
     traced = jax.jit(fn, donate_argnums=donate_argnums,
