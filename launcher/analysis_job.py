@@ -25,7 +25,6 @@ from typing import Any
 from launcher import cluster, slurm_jobs, snapshot
 from pdecomp.exits import EXIT_BAD_CONFIG
 
-PROG = "pdecomp analyze"
 # The overrides that choose and set the launcher; every other argument is the analysis's.
 LAUNCHER_KEYS = ("cluster=", "hydra.launcher.", "hydra/launcher=")
 JOBS_DIR = ".analysis-jobs"  # in the run directory: submitit's files and the code's copy
@@ -78,11 +77,6 @@ def submit(argv: list[str], run_dir: Path, kind: str, params: dict[str, Any]) ->
         if params.get("snapshot", True):
             code = snapshot.take(jobs_dir / ".code" / stamp)
             keys["setup"] = [snapshot.setup_line(code), *(keys.get("setup") or [])]
-    else:
-        keys = {k: v for k, v in keys.items() if k in ("submitit_folder", "timeout_min",
-                                                       "cpus_per_task", "gpus_per_node",
-                                                       "tasks_per_node", "nodes", "mem_gb",
-                                                       "name")}
     gpus = int(params.get("gpus_per_node") or 0)
     job = slurm_jobs.executor(keys, kind).submit(run_analysis, argv, gpus)
     with contextlib.suppress(OSError):  # submitit's folder template, made and left empty

@@ -28,7 +28,8 @@ UNSETTLED = ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED", "RES
 
 def executor(params: dict[str, Any], kind: str = "slurm") -> Any:
     """submitit's executor for `hydra.launcher`'s keys (`submitit_folder` among them), as
-    hydra-submitit-launcher makes it: its shared keys as they are, the others `slurm_`-named."""
+    hydra-submitit-launcher makes it: its shared keys as they are, the others named for the
+    executor (`slurm_...`)."""
     import submitit
     from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
     from omegaconf import OmegaConf
