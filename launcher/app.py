@@ -6,6 +6,7 @@ starts, so a bad value ends with one line and exit code 2, leaving no run direct
 
 from __future__ import annotations
 
+import functools
 import importlib
 import itertools
 import os
@@ -304,8 +305,10 @@ def main() -> None:
     # Ctrl-C outside training (composing, tracing, a gate-only compile) ends the process at
     # once. As an exception it could be swallowed: raised inside a garbage-collection
     # callback (jax has one), it is reported as "ignored" and the process goes on. Training
-    # installs its own handler (launcher.cluster.StopSignals: a checkpoint first).
-    signal.signal(signal.SIGINT, cluster.interrupted)
+    # installs its own handler (launcher.cluster.StopSignals: a checkpoint first). The line
+    # goes to stderr as it is now: loading the CUDA compile plugin points fd 2 at /dev/null
+    # for a moment (pdecomp.hardware), and a Ctrl-C then must still say why it stopped.
+    signal.signal(signal.SIGINT, functools.partial(cluster.interrupted, stderr_fd=os.dup(2)))
     _main()
 
 

@@ -184,11 +184,15 @@ class StopSignals:
         return 128 + signal.Signals[self.received[0]].value
 
 
-def interrupted(signum: int, frame: object) -> None:
+def interrupted(signum: int, frame: object, stderr_fd: int = 2) -> None:
     """Ctrl-C that stops at once: one line, exit 130, no cleanup to wait for (nothing
     half-written is ever taken for a result: checkpoints and files are written whole)."""
-    print("interrupted (Ctrl-C): exit 130", file=sys.stderr, flush=True)
-    sys.stdout.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:  # what was printed before; the signal may have come in the middle of a print
+            stream.flush()
+        except (OSError, RuntimeError, ValueError):
+            pass
+    os.write(stderr_fd, b"interrupted (Ctrl-C): exit 130\n")  # not print: not re-entrant
     os._exit(EXIT_INTERRUPTED)
 
 

@@ -210,9 +210,10 @@ def cache(env: dict[str, str]) -> Iterator[None]:
 # `make test` hands whole files to its workers in collection order (`--dist loadfile
 # --no-loadscope-reorder`): started first, they run beside the many short files instead of
 # leaving one worker alone with one of them at the end.
-LONGEST_FIRST = ("test_cli_lm.py", "test_slurm.py", "test_lm.py", "test_cli_journeys.py",
-                 "test_cli_faults.py", "test_gate.py", "test_cli_bad_input.py",
-                 "test_packaging.py", "test_analyze.py", "test_disk_full.py")
+LONGEST_FIRST = ("test_cli_lm.py", "test_slurm.py", "test_cli_journeys.py", "test_cli_bad_input.py",
+                 "test_analyze.py", "test_fit_batch.py", "test_lm.py", "test_gate.py",
+                 "test_semantics.py", "test_cli_faults.py", "test_packaging.py",
+                 "test_disk_full.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

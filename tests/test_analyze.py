@@ -73,6 +73,7 @@ def table_rows(page: str, table_id: str) -> list[list[str]]:
 
 @pytest.mark.slow  # the llama_tiny run compiles for most of a minute
 def test_lm_report_matches_a_direct_recomputation(lm_report: Path, cache) -> None:
+    assert not (lm_report / "wandb").exists()  # wandb off: no wandb files
     out = lm_report / "analysis"
     assert sorted(p.name for p in out.iterdir()) == ["components", "frequency_norm.png",
                                                      "gate.json", "index.html", "mean_ci.png"]
@@ -284,9 +285,10 @@ def test_a_character_split_across_byte_level_tokens_is_shown_whole(tmp_path: Pat
     assert "日" in pieces and "本" in pieces and "é" in pieces
 
 
-def test_the_plots_are_logged_to_the_runs_wandb(tms_report: Path, lm_report: Path) -> None:
+def test_the_plots_are_logged_to_the_runs_wandb(tms_report: Path) -> None:
     """With wandb on, analyze resumes the run's own wandb run (its id) and logs each plot
-    of the report as an image; with wandb off it writes no wandb files."""
+    of the report as an image (with wandb off it writes no wandb files: the LM report's
+    test)."""
     run_id = (tms_report / "wandb_id.txt").read_text().strip()
     runs = sorted((tms_report / "wandb").glob(f"offline-run-*-{run_id}"))
     assert len(runs) == 2, runs  # the training run's, then analyze's
@@ -312,7 +314,6 @@ def test_the_plots_are_logged_to_the_runs_wandb(tms_report: Path, lm_report: Pat
     assert {c["path"] for c in art["manifest"]["contents"]} == {
         str(p.relative_to(report)) for p in report.rglob("*") if p.is_file()} >= {
         "index.html", "mean_ci.png", "components/linear1.parquet"}
-    assert not (lm_report / "wandb").exists()
 
 
 def test_top_contexts_rank_saturated_ci_by_its_logit(monkeypatch) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -216,6 +217,22 @@ def test_ctrl_c_outside_training_exits_130_with_one_line(env: dict[str, str],
     assert proc.returncode == 130, (proc.returncode, err[-3000:])
     assert "Traceback" not in err and err.strip().splitlines()[-1] == \
         "interrupted (Ctrl-C): exit 130", err[-3000:]
+
+
+def test_ctrl_c_says_so_while_stderr_is_silenced(tmp_path: Path) -> None:
+    """Loading the CUDA compile plugin points fd 2 at /dev/null for a moment; a Ctrl-C there
+    still ends with its line on the stderr the process started with."""
+    script = ("import functools, os, signal, sys\n"
+              "from launcher import cluster\n"
+              "signal.signal(signal.SIGINT, functools.partial(cluster.interrupted,"
+              " stderr_fd=os.dup(2)))\n"
+              "from pdecomp.hardware import _quiet_stderr\n"
+              "with _quiet_stderr():\n"
+              "    os.kill(os.getpid(), signal.SIGINT)\n"
+              "    signal.pause()\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 130 and proc.stderr == "interrupted (Ctrl-C): exit 130\n", proc
 
 
 @pytest.mark.slow  # whole CLI runs, alike under every jax: the full suite, not the fast tier

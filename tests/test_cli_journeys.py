@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses as dc
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -16,7 +17,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import check_sweep_wandb, copy_of, leet, load_json, ok, pdecomp, wandb_run_dirs
+from conftest import (
+    PDECOMP,
+    check_sweep_wandb,
+    copy_of,
+    leet,
+    load_json,
+    ok,
+    pdecomp,
+    wandb_run_dirs,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llama"
 
@@ -549,3 +559,39 @@ def test_job_side_config_errors_exit_2_and_leave_nothing(tmp_path: Path, env: di
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"config error: {key}"), last
     assert not run_dir.exists()
+
+
+def _in_hub_cache(cache: Path, repo: str, src: Path) -> Path:
+    """`src` laid out as huggingface_hub's cache holds a downloaded repository; its snapshot."""
+    folder = cache / f"models--{repo.replace('/', '--')}"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text(commit)
+    shutil.copytree(src, folder / "snapshots" / commit, ignore=shutil.ignore_patterns("*.npy"))
+    return folder / "snapshots" / commit
+
+
+def test_a_hub_id_resolves_from_the_hub_cache_offline(tmp_path: Path) -> None:
+    """model.path=org/name reads the hub cache's snapshot, with no network (HF_HUB_OFFLINE);
+    the run records the snapshot it read. An id the cache lacks exits 2 with the command
+    that fetches it, leaving nothing behind."""
+    snap = _in_hub_cache(tmp_path / "hub", "pdecomp-tests/gqa-llama3", FIXTURES / "gqa_llama3")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1",
+           "WANDB_MODE": "disabled"}
+    cwd, run_dir = tmp_path / "cwd", tmp_path / "run"
+    cwd.mkdir()
+    sites = "layers.sites=[layers.1.mlp.gate_proj,layers.1.mlp.up_proj,layers.1.mlp.down_proj]"
+    args = [PDECOMP, "+experiment=llama_tiny_chunkwise", sites, "gate.only=true"]
+    proc = subprocess.run([*args, "model.path=pdecomp-tests/gqa-llama3",
+                           f"hydra.run.dir={run_dir}"], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = json.loads((run_dir / "run.json").read_text())["config"]
+    assert record["model"]["path"] == str(snap) and record["name"] == "gqa-llama3"
+    proc = subprocess.run([*args, "model.path=pdecomp-tests/absent"], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert "model.path='pdecomp-tests/absent'" in lines[0], lines[0]
+    assert "hf download pdecomp-tests/absent" in lines[0] and "HF_HUB_OFFLINE" in lines[0]
+    assert list(cwd.iterdir()) == []

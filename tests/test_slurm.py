@@ -24,7 +24,8 @@ import tensorstore as ts
 from conftest import PDECOMP, check_sweep_wandb, copy_of, load_json, ok, pdecomp
 from jax.sharding import SingleDeviceSharding
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+# One journey (a run as a two-task SLURM job) is in `make test`; the rest in the slow tier.
+pytestmark = pytest.mark.slurm
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "slurm_cluster.sh"
 
@@ -63,13 +64,18 @@ def cluster(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory):
                    check=False)
 
 
-@pytest.fixture(scope="module")
-def reference(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The same run in one process with two CPU devices (the toy target trains here, once)."""
-    cwd = tmp_path_factory.mktemp("reference")
-    ok(pdecomp([*RUN, f"hydra.run.dir={cwd / 'run'}"], cwd,
+def one_process_run(run: list[str], env: dict[str, str], cwd: Path) -> Path:
+    """`run` in one process with two CPU devices: what a two-process job must reproduce."""
+    cwd.mkdir(exist_ok=True)
+    ok(pdecomp([*run, f"hydra.run.dir={cwd / 'run'}"], cwd,
                {**env, "PDECOMP_CPU_DEVICES": "2"}, timeout=600))
     return cwd / "run"
+
+
+@pytest.fixture(scope="module")
+def reference(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """RUN in one process (the toy target trains here, once)."""
+    return one_process_run(RUN, env, tmp_path_factory.mktemp("reference"))
 
 
 def submit(args: list[str], cwd: Path, env: dict[str, str],
@@ -160,10 +166,15 @@ def check_two_process_run(proc, sweep: Path, reference: Path, hosts: int,
     assert (run_dir / "summary.json").is_file() and (run_dir / ".hydra").is_dir()
 
 
-def test_two_tasks_train_as_one_run(cluster, reference: Path, tmp_path: Path) -> None:
+# The journey `make test` keeps (the rest are the slow tier's): a sixth of RUN's steps.
+SHORT_RUN = [*RUN, f"optim.steps={STEPS // 6}"]
+
+
+def test_two_tasks_train_as_one_run(cluster, tmp_path: Path) -> None:
     """Two tasks on one node: two JAX processes, gate first, losses of the 1-process run."""
-    proc, sweep, seconds = submit([*TWO_TASKS, *RUN], tmp_path, cluster)
-    print(f"2 tasks, {STEPS} steps: {seconds:.1f} s")
+    reference = one_process_run(SHORT_RUN, cluster, tmp_path / "reference")
+    proc, sweep, seconds = submit([*TWO_TASKS, *SHORT_RUN], tmp_path, cluster)
+    print(f"2 tasks, {STEPS // 6} steps: {seconds:.1f} s")
     check_two_process_run(proc, sweep, reference, hosts=1)
 
 
@@ -180,6 +191,7 @@ def fsdp_run(cluster, tmp_path_factory: pytest.TempPathFactory
     return sweep, proc
 
 
+@pytest.mark.slow
 def test_two_emulated_nodes_train_as_one_run(fsdp_run, reference: Path) -> None:
     """The target, components and optimizer state each live half on one process, half on
     the other; the losses are the 1-process run's."""
@@ -187,6 +199,7 @@ def test_two_emulated_nodes_train_as_one_run(fsdp_run, reference: Path) -> None:
     check_two_process_run(proc, sweep, reference, hosts=2, rel=FSDP_REL)
 
 
+@pytest.mark.slow
 def test_interrupted_job_requeues_and_ends_as_if_uninterrupted(
         cluster, reference: Path, tmp_path: Path) -> None:
     """SLURM's warning signal mid-run: every rank checkpoints at one step, the job requeues
@@ -230,6 +243,7 @@ def test_interrupted_job_requeues_and_ends_as_if_uninterrupted(
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7, err_msg=k)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_unreadable_on_one_process_is_set_aside_by_every_process(
         cluster, fsdp_run, reference: Path, tmp_path: Path) -> None:
     """FSDP over two nodes: each process reads only its own shards, so damaged chunks of one
@@ -257,6 +271,7 @@ def test_a_checkpoint_unreadable_on_one_process_is_set_aside_by_every_process(
     assert load_json(run_dir / "summary.json")["steps"] == STEPS
 
 
+@pytest.mark.slow
 def test_a_sweep_is_submitted_as_a_job_array_and_status_summarises_it(
         cluster, tmp_path: Path) -> None:
     """`pdecomp -m cluster=slurm ...` submits the sweep as one array and returns while its
@@ -297,6 +312,7 @@ def test_a_sweep_is_submitted_as_a_job_array_and_status_summarises_it(
     check_sweep_wandb([sweep / str(i) for i in range(3)], "loss.imp_min_coeff")
 
 
+@pytest.mark.slow
 def test_refused_gate_exits_3_on_every_rank(cluster, tmp_path: Path) -> None:
     proc, sweep, seconds = submit([*TWO_TASKS, *RUN, "memory.hbm_cap_gib=0.00001"], tmp_path,
                                   cluster)
@@ -318,6 +334,7 @@ def test_refused_gate_exits_3_on_every_rank(cluster, tmp_path: Path) -> None:
     assert status.stdout in proc.stdout, (status.stdout, proc.stdout)
 
 
+@pytest.mark.slow
 def test_a_config_refused_in_the_job_is_the_sweeps_row_and_exit_2(cluster, tmp_path: Path
                                                                    ) -> None:
     """Only the job knows its devices: a mesh larger than them is refused there, on every
@@ -332,6 +349,7 @@ def test_a_config_refused_in_the_job_is_the_sweeps_row_and_exit_2(cluster, tmp_p
 
 # -- helpers for the interrupted run ------------------------------------------------------
 
+@pytest.mark.slow
 def test_an_analysis_is_a_slurm_job_too(cluster, reference: Path, tmp_path: Path) -> None:
     """`pdecomp analyze RUN ... cluster=slurm --wait`: one SLURM job, running the copy of
     the code taken at submission, on the devices asked for; its report is the one the same
