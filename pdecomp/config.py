@@ -25,6 +25,7 @@ class FitMode(enum.StrEnum):
     none = "none"
     batch = "batch"  # the largest batch under the cap
     microbatches = "microbatches"  # the fewest microbatches under the cap
+    mesh = "mesh"  # the data x model split with the least predicted step time under the cap
 
 
 class DType(enum.StrEnum):

@@ -1,6 +1,7 @@
-"""The gate's searches: the largest batch whose step fits under the cap (`gate.fit=batch`)
-and the fewest microbatches that fit (`gate.fit=microbatches`), each candidate a full
-compile, as few of them as the peak's shape allows."""
+"""The gate's searches: the largest batch whose step fits under the cap (`gate.fit=batch`),
+the fewest microbatches that fit (`gate.fit=microbatches`), each candidate a full compile,
+as few of them as the peak's shape allows; and the mesh that fits in the least predicted
+time (`gate.fit=mesh`), every candidate compiled."""
 
 from __future__ import annotations
 
@@ -113,11 +114,48 @@ def _secant(tried: dict[int, tuple[Any, dict[str, Any]]], lo: int, hi: int | Non
 def _with_fit(report: dict[str, Any], chosen: int, why: str,
               tried: dict[int, tuple[Any, dict[str, Any]]], mode: str = "batch"
               ) -> dict[str, Any]:
-    key = {"batch": "batch_size", "microbatches": "microbatches"}[mode]
+    key = {"batch": "batch_size", "microbatches": "microbatches", "mesh": "model"}[mode]
+
+    def row(k: int, r: dict[str, Any]) -> dict[str, Any]:
+        out = {key: k, "peak_bytes": r["peak_bytes"], "fits": r["fits"]}
+        if mode == "mesh":
+            out.update(mesh=r["mesh"], step_s=_seconds(r), bound=r["step"]["time"]["bound"])
+        return out
+
     report["fit"] = {"mode": mode, "chosen": chosen, "why": why,
-                     "tried": [{key: k, "peak_bytes": r["peak_bytes"], "fits": r["fits"]}
-                               for k, (_, r) in sorted(tried.items())]}
+                     "tried": [row(k, r) for k, (_, r) in sorted(tried.items())]}
     return report
+
+
+def _seconds(report: dict[str, Any]) -> float:
+    return report["step"]["time"]["roofline_s"]
+
+
+def fit_mesh(compile_at: Callable[[int], tuple[Any, dict[str, Any]]], models: list[int]
+             ) -> tuple[int, Any, dict[str, Any]]:
+    """The model-axis size among `models` (the other devices on the data axis) whose step
+    fits under the cap in the least time predicted from its compiled module (the roofline
+    at the target's published rates, `step.time`). Every candidate is compiled: the peak
+    and the time both move with the split, neither monotonically.
+
+    Returns the size with its executable and report, whose `fit` entry lists every split
+    with its peak and predicted time; a refusal returns the split of the least peak."""
+    tried = {m: compile_at(m) for m in sorted(set(models))}
+    fitting = [m for m, (_, r) in tried.items() if r["fits"]]
+    if fitting:
+        chosen = min(fitting, key=lambda m: _seconds(tried[m][1]))
+        report = tried[chosen][1]
+        why = (f"predicted {_seconds(report):.3g} s a step "
+               f"({report['step']['time']['bound']}-bound), peak "
+               f"{fmt_bytes(report['peak_bytes'])} (cap {fmt_bytes(report['cap_bytes'])}); "
+               f"{len(fitting)} of {len(tried)} splits fit")
+    else:
+        chosen = min(tried, key=lambda m: tried[m][1]["peak_bytes"])
+        report = tried[chosen][1]
+        why = (f"none of {len(tried)} splits fits: the least peak, "
+               f"{fmt_bytes(report['peak_bytes'])} at {report['mesh']}, > cap "
+               f"{fmt_bytes(report['cap_bytes'])} per device")
+    return chosen, tried[chosen][0], _with_fit(report, chosen, why, tried, "mesh")
 
 
 def fit_microbatches(compile_at: Callable[[int], tuple[Any, dict[str, Any]]],

@@ -277,7 +277,8 @@ def format_report(report: dict[str, Any]) -> list[tuple[str, str]]:
     rows += step_rows(report.get("step"))
     if "fit" in report:
         fit = report["fit"]
-        what = "batches" if fit["mode"] == "batch" else "microbatch counts"
+        what = {"batch": "batches", "microbatches": "microbatch counts",
+                "mesh": "meshes"}[fit["mode"]]
         rows.append(("fit", f"{len(fit['tried'])} {what} compiled: {fit['why']}"))
     if "measured_peak_bytes" in report:
         rows.append(("measured peak", fmt_bytes(report["measured_peak_bytes"])))

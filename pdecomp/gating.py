@@ -1,8 +1,8 @@
 """A run's memory gate: the mesh, the abstract target and state in their shardings, the very
 step training runs compiled ahead of time, its memory read and compared with the cap
 (gate.json; GateRefused when it does not fit). gate.fit=batch first searches the largest
-batch that fits, gate.fit=microbatches the fewest microbatches; each search returns the
-`Run` it chose."""
+batch that fits, gate.fit=microbatches the fewest microbatches, gate.fit=mesh the data x
+model split with the least predicted step time; each search returns the `Run` it chose."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ class GateRefused(RuntimeError):
 
 def refusal(report: dict[str, Any]) -> str:
     """Why the gate refused, with what would fit where the report knows it."""
-    what = {"batch": "no batch", "microbatches": "no microbatch count"}
+    what = {"batch": "no batch", "microbatches": "no microbatch count", "mesh": "no mesh"}
     if "fit" in report:
         mode = report["fit"]["mode"]
         return f"{what[mode]} fits (gate.fit={mode}): {report['fit']['why']}"
@@ -119,23 +119,17 @@ def gate(run: Run, run_dir: Path, detach: bool, log: Callable[[str], None]) -> G
     """Compile the run's step (after gate.fit's search), write gate.json, refuse over the
     cap. `detach`: a deviceless gate-only run may report from XLA's buffer assignment and
     leave code generation running (the front end ends the process)."""
-    mesh = sharding.make_mesh(run.placement)
-    layout = sharding.make_layout(run.placement.mesh, mesh)
     init_key, data_key = jax.random.split(jax.random.PRNGKey(run.seed))
-    target_abs, state_abs = abstract_run(run, init_key)
-    target_abs = sharding.place(target_abs, layout)
-    state_abs = sharding.place(state_abs, layout, sharding.OFFLOADED
-                               if run.memory.offload_opt_state else ())
-    cap, cap_source, memory_env = gate_cap(run, mesh)
-    # Host-memory (offload) buffers are not told apart in XLA's dump: offload compiles whole.
-    detach = (detach and run.gate.only and run.gate.fit == "none"
-              and run.placement.deviceless and run.memory.remat != "offload")
-    where = {"cap_bytes": cap, "cap_source": cap_source, "target": target_name(run, mesh),
-             "mesh": dict(mesh.shape), "hosts": len({d.process_index for d in mesh.devices.flat}),
-             "gpu": hardware.spec_of(run.placement.target, mesh.devices.flat[0].device_kind)}
-    compiler = Compiler(layout, target_abs, state_abs, where,
-                        {"memory_env": memory_env} if memory_env else {}, detach)
-    run, compiled, report = search(run, compiler, log)
+    if run.gate.fit == "mesh":
+        run, compiler, compiled, report = search_mesh(run, init_key, log)
+    else:
+        # Host-memory (offload) buffers are not told apart in XLA's dump: offload compiles
+        # whole.
+        detach = (detach and run.gate.only and run.gate.fit == "none"
+                  and run.placement.deviceless and run.memory.remat != "offload")
+        compiler = prepare(run, init_key, detach)
+        run, compiled, report = search(run, compiler, log)
+    mesh = compiler.layout.mesh
     # the most microbatches: one example per data-axis device in each, and what the
     # rematerialized site layers keep (a refusal's hints)
     report.update(microbatches=run.batch.microbatches,
@@ -143,8 +137,44 @@ def gate(run: Run, run_dir: Path, detach: bool, log: Callable[[str], None]) -> G
                   site_layer_saves=run.memory.site_layer_saves if run.memory.remat_layers
                   else None)
     write_json(run_dir / "gate.json", report)
-    return Gated(run, mesh, compiler.batch_sharding, target_abs, state_abs, compiled, report,
-                 init_key, data_key)
+    return Gated(run, mesh, compiler.batch_sharding, compiler.target_abs, compiler.state_abs,
+                 compiled, report, init_key, data_key)
+
+
+def prepare(run: Run, init_key: Array, detach: bool) -> Compiler:
+    """The run's mesh, its abstract target and state placed on it, the cap: what compiles
+    the run's step."""
+    mesh = sharding.make_mesh(run.placement)
+    layout = sharding.make_layout(run.placement.mesh, mesh)
+    target_abs, state_abs = abstract_run(run, init_key)
+    target_abs = sharding.place(target_abs, layout)
+    state_abs = sharding.place(state_abs, layout, sharding.OFFLOADED
+                               if run.memory.offload_opt_state else ())
+    cap, cap_source, memory_env = gate_cap(run, mesh)
+    where = {"cap_bytes": cap, "cap_source": cap_source, "target": target_name(run, mesh),
+             "mesh": dict(mesh.shape), "hosts": len({d.process_index for d in mesh.devices.flat}),
+             "gpu": hardware.spec_of(run.placement.target, mesh.devices.flat[0].device_kind)}
+    return Compiler(layout, target_abs, state_abs, where,
+                    {"memory_env": memory_env} if memory_env else {}, detach)
+
+
+def search_mesh(run: Run, init_key: Array, log: Callable[[str], None]
+                ) -> tuple[Run, Compiler, Any, dict[str, Any]]:
+    """gate.fit=mesh: every split of the planned GPUs into data x model (the model axis
+    within a host) compiled, the one that fits in the least predicted step time chosen."""
+
+    def compile_at(model: int) -> tuple[Any, dict[str, Any]]:
+        candidate = run.with_mesh(model)
+        compiler = prepare(candidate, init_key, detach=False)
+        compiled, report = compiler.compile(candidate)
+        return (candidate, compiler, compiled), report
+
+    model, (run, compiler, compiled), report = fit.fit_mesh(
+        compile_at, sharding.mesh_candidates(run.placement.mesh, run.batch.microbatch))
+    if report["fits"]:
+        log(f"gate.fit=mesh: mesh.model={model} (data {report['mesh'][sharding.AXIS]}): "
+            f"{report['fit']['why']}")
+    return run, compiler, compiled, report
 
 
 def search(run: Run, compiler: Compiler, log: Callable[[str], None]

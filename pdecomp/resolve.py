@@ -84,6 +84,13 @@ class Run:
         return resolve(dc.replace(self.config, optim=optim), self.placement.n_devices,
                        composed=self.composed)
 
+    def with_mesh(self, model: int) -> Run:
+        """This run with `model` devices on the model axis and the rest on data (the gate's
+        mesh search)."""
+        mesh = dc.replace(self.config.mesh, model=model, data=0)
+        return resolve(dc.replace(self.config, mesh=mesh), self.placement.n_devices,
+                       composed=self.composed)
+
     def record(self) -> dict[str, Any]:
         """What run.json holds: the resolved config and what was derived from it."""
         return {"config": dc.asdict(self.config), "kind": self.config.model.kind,

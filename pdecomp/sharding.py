@@ -114,6 +114,16 @@ def microbatch_counts(batch_size: int, axis: int) -> list[int]:
     return [m for m in range(1, per_device + 1) if per_device % m == 0]
 
 
+def mesh_candidates(me: MeshConfig, microbatch: int) -> list[int]:
+    """The model-axis sizes gate.fit=mesh compiles for the planned hosts x GPUs: those that
+    divide a host's GPUs (the model axis's all-reduces stay within a host) and leave a data
+    axis that splits a microbatch of `microbatch` examples into whole ones."""
+    per_host = max(me.gpus_per_host, 1)
+    total = me.hosts * per_host
+    return [m for m in range(1, per_host + 1)
+            if per_host % m == 0 and microbatch % (total // m) == 0]
+
+
 def is_deviceless(gate: GateConfig) -> bool:
     """A named GPU target on a host without GPUs: compile for it, run nothing."""
     return gate.target != "local" and jax.default_backend() != "gpu"

@@ -31,6 +31,7 @@ from pdecomp.llama import SITE_LAYER_SAVES
 from pdecomp.losses import DISTANCES
 from pdecomp.masks import PGD_SCOPES, PLANS, ROUTINGS, SOURCES
 from pdecomp.resolve import data_axis
+from pdecomp.sharding import mesh_candidates
 from pdecomp.train import REMAT, SCHEDULES, TIE_UPDATES
 
 
@@ -196,6 +197,24 @@ def _validate_data(cfg: RunConfig, scan: bool = True) -> None:
         kind.validate_data(m, d, cfg.seed, scan)
 
 
+def _validate_mesh_fit(cfg: RunConfig) -> None:
+    """gate.fit=mesh ranks splits by the step time at a GPU's published rates, over the
+    GPUs the mesh plans (mesh.hosts x mesh.gpus_per_host); it chooses mesh.data itself."""
+    g, me = cfg.gate, cfg.mesh
+    if g.target not in GPUS:
+        raise ConfigError("gate.fit", g.fit, "ranks meshes by the step time predicted at a "
+                          f"GPU's published rates: needs gate.target={'|'.join(GPUS)}")
+    if me.data:
+        raise ConfigError("mesh.data", me.data, "gate.fit=mesh chooses the data axis: "
+                          "leave mesh.data=0")
+    microbatch = cfg.data.batch_size // cfg.optim.microbatches
+    if not mesh_candidates(me, microbatch):
+        raise ConfigError("data.batch_size", cfg.data.batch_size,
+                          f"gate.fit=mesh: no split of {me.hosts} x "
+                          f"{max(me.gpus_per_host, 1)} GPUs leaves a data axis that divides "
+                          f"a microbatch of {microbatch} examples")
+
+
 def _validate_microbatch_size(cfg: RunConfig, n_devices: int | None) -> None:
     """optim.microbatch_size: one of it and optim.microbatches, a batch it divides on the
     mesh's data axis, and no gate search that would change what it fixes."""
@@ -279,6 +298,8 @@ def _validate_memory_and_gate(cfg: RunConfig) -> None:
         _choice("memory.remat_names", name, REMAT_NAMES)
     g = cfg.gate
     _choice("gate.fit", g.fit, FIT_MODES)
+    if g.fit == "mesh":
+        _validate_mesh_fit(cfg)
     check_positive("gate.fit_max_batch", g.fit_max_batch)
     check_positive("gate.top_temps", g.top_temps, zero_ok=True)
     check_positive("gate.calibrate_after", g.calibrate_after)

@@ -84,6 +84,13 @@ CASES = [
     ("preset-rope-yarn", ["+experiment=llama_tiny_chunkwise",
                           "model.rope_scaling={rope_type:yarn,factor:4.0}"],
      ("model.rope_scaling.rope_type", "default, llama3")),
+    ("mesh-fit-without-gpu-rates", ["gate.fit=mesh"], ("gate.fit", "gate.target=h100")),
+    ("mesh-fit-with-data-axis-fixed",
+     ["gate.fit=mesh", "gate.target=h100", "mesh.gpus_per_host=4", "mesh.data=2"], "mesh.data"),
+    ("mesh-fit-no-split-within-a-host-divides-the-batch",  # the config's own spans hosts
+     ["gate.fit=mesh", "gate.target=h100", "mesh.hosts=2", "mesh.gpus_per_host=4",
+      "mesh.model=8", "data.batch_size=8", "optim.microbatches=8"],
+     ("data.batch_size", "2 x 4 GPUs")),
     ("preset-rope-llama3-without-factor",
      ["+experiment=llama_tiny_chunkwise", "~model.rope_scaling.factor"],
      ("model.rope_scaling.factor", "number > 0")),

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import load_json, ok, pdecomp
 
-from pdecomp.fit import fit_batch, fit_microbatches
+from pdecomp.fit import fit_batch, fit_mesh, fit_microbatches
 from pdecomp.gate import format_report
 
 MiB = 2**20
@@ -215,3 +215,55 @@ def test_cli_fit_microbatches_takes_the_fewest_under_the_cap(tmp_path: Path,
     assert tried[fit["chosen"]]["fits"]
     assert all(not t["fits"] for m, t in tried.items() if m < fit["chosen"])
     assert f"gate.fit=microbatches: optim.microbatches={fit['chosen']}" in proc.stderr
+
+
+def mesh_report(model: int, peak_mib: float, seconds: float, cap_mib: float = 100) -> dict:
+    return {"peak_bytes": int(peak_mib * MiB), "cap_bytes": int(cap_mib * MiB),
+            "fits": peak_mib <= cap_mib, "mesh": {"data": 8 // model, "model": model},
+            "step": {"time": {"roofline_s": seconds, "bound": "network"}}}
+
+
+@pytest.mark.parametrize(("peaks", "chosen"), [
+    ({1: 90, 2: 60, 4: 50, 8: 70}, 2),  # the fastest fits
+    ({1: 90, 2: 160, 4: 50, 8: 70}, 4),  # the fastest does not: the next fastest that fits
+    ({1: 190, 2: 160, 4: 150, 8: 170}, 4),  # none fits: the least peak, refused
+])
+def test_the_mesh_that_fits_in_the_least_predicted_time_is_chosen(peaks, chosen):
+    seconds = {1: 3.0, 2: 1.0, 4: 2.0, 8: 2.5}
+    calls = []
+
+    def compile_at(m):
+        calls.append(m)
+        return f"exe{m}", mesh_report(m, peaks[m], seconds[m])
+
+    got, exe, report = fit_mesh(compile_at, [8, 4, 2, 1])
+    assert (got, exe) == (chosen, f"exe{chosen}") and sorted(calls) == [1, 2, 4, 8]
+    fit = report["fit"]
+    assert fit["mode"] == "mesh" and fit["chosen"] == chosen
+    assert report["fits"] == (peaks[chosen] <= 100)
+    assert [(t["model"], t["step_s"], t["fits"]) for t in fit["tried"]] == [
+        (m, seconds[m], peaks[m] <= 100) for m in (1, 2, 4, 8)]
+    assert ("none of 4 splits fits" in fit["why"]) != report["fits"]
+
+
+def test_cli_fit_mesh_takes_the_fastest_split_that_fits(tmp_path: Path,
+                                                        env: dict[str, str]) -> None:
+    """TMS gated deviceless for 2 hosts x 4 H100s: every split of the 8 whose model axis
+    stays in a host is compiled; the run takes the one with the least predicted time (its
+    own, model 4, the slowest)."""
+    run_dir = tmp_path / "mesh"
+    proc = ok(pdecomp(["gate.only=true", "gate.target=h100", "mesh.hosts=2",
+                       "mesh.gpus_per_host=4", "mesh.model=4", "gate.fit=mesh",
+                       "logging.wandb.mode=disabled",
+                       f"hydra.run.dir={run_dir}"], tmp_path, env))
+    gate = load_json(run_dir / "gate.json")
+    tried = gate["fit"]["tried"]
+    assert [t["mesh"] for t in tried] == [{"data": 8, "model": 1}, {"data": 4, "model": 2},
+                                         {"data": 2, "model": 4}]
+    fastest = min((t for t in tried if t["fits"]), key=lambda t: t["step_s"])
+    assert gate["fits"] and gate["mesh"] == fastest["mesh"]
+    assert gate["step"]["time"]["roofline_s"] == fastest["step_s"]
+    assert fastest["model"] != 4
+    resolved = load_json(run_dir / "run.json")["config"]["mesh"]
+    assert (resolved["model"], resolved["data"]) == (fastest["model"], 0)
+    assert f"gate.fit=mesh: mesh.model={fastest['model']}" in proc.stderr
