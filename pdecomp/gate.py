@@ -145,7 +145,7 @@ def step_report(text: str | None, n_devices: int, hosts: int,
 
 
 def uncompiled_report(*, argument_bytes: int, cap_bytes: int, cap_source: str, target: str,
-                      mesh: dict[str, int], parts: dict[str, int], **_: Any) -> dict[str, Any]:
+                      mesh: dict[str, int], parts: dict[str, int]) -> dict[str, Any]:
     """The report of a step not compiled: its arguments counted from their shapes, a lower
     bound of any compiled peak (peak = temp + argument + output − alias, and alias ≤
     output). Temp and output are unknown, 0 here; `compiled` is False, and the table says

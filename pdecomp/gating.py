@@ -93,8 +93,9 @@ class Compiler:
         parts = argument_parts(run, self.target_abs, self.state_abs, self.batch(run))
         # moments offloaded to the host are not device bytes on a GPU: left out of the bound
         device_bytes = sum(v for k, v in parts.items() if k != OPT_PART_HOST)
+        framing = {k: self.where[k] for k in ("cap_bytes", "cap_source", "target", "mesh")}
         report = gate_lib.uncompiled_report(argument_bytes=device_bytes, parts=parts,
-                                            **self.where)
+                                            **framing)
         return {**report, "batch_size": run.batch.size, **self.extra}
 
     def compile(self, run: Run) -> tuple[Any, dict[str, Any]]:
