@@ -27,7 +27,7 @@ import jax
 from pdecomp.config import RunConfig
 from pdecomp.kinds import EvalSpec, Kind, kind_of, site_C, tied_sites
 from pdecomp.masks import make_plan
-from pdecomp.sharding import Placement, is_deviceless
+from pdecomp.sharding import Placement, is_deviceless, planned_gpus
 from pdecomp.train import ReconTerm, StepSpec
 
 
@@ -129,7 +129,7 @@ def data_axis(cfg: RunConfig, n_devices: int | None) -> int | None:
     if me.data:
         return me.data
     if me.gpus_per_host or (cfg.gate.target != "local" and n_devices is None):
-        return me.hosts * max(me.gpus_per_host, 1) // me.model
+        return planned_gpus(me)[1] // me.model
     if n_devices is None:
         return None
     micro = cfg.data.batch_size // o.microbatches

@@ -114,12 +114,18 @@ def microbatch_counts(batch_size: int, axis: int) -> list[int]:
     return [m for m in range(1, per_device + 1) if per_device % m == 0]
 
 
+def planned_gpus(me: MeshConfig) -> tuple[int, int]:
+    """The GPUs a run is sized for: per host (`mesh.gpus_per_host`, 0 meaning one) and in all
+    (`mesh.hosts` of them)."""
+    per_host = max(me.gpus_per_host, 1)
+    return per_host, me.hosts * per_host
+
+
 def mesh_candidates(me: MeshConfig, microbatch: int) -> list[int]:
     """The model-axis sizes gate.fit=mesh compiles for the planned hosts x GPUs: those that
     divide a host's GPUs (the model axis's all-reduces stay within a host) and leave a data
     axis that splits a microbatch of `microbatch` examples into whole ones."""
-    per_host = max(me.gpus_per_host, 1)
-    total = me.hosts * per_host
+    per_host, total = planned_gpus(me)
     return [m for m in range(1, per_host + 1)
             if per_host % m == 0 and microbatch % (total // m) == 0]
 
@@ -152,8 +158,8 @@ def make_mesh(placement: Placement) -> Mesh:
     """
     me = placement.mesh
     if placement.deviceless:  # preflight's check_target made the compile plugin available
-        total = me.hosts * max(me.gpus_per_host, 1)
-        return hardware.topology_mesh(placement.target, me.hosts, max(me.gpus_per_host, 1),
+        per_host, total = planned_gpus(me)
+        return hardware.topology_mesh(placement.target, me.hosts, per_host,
                                       ((AXIS, total // me.model), (MODEL, me.model)))
     devices = jax.devices()
     assert placement.data_axis is not None, "a local mesh needs the job's devices resolved"

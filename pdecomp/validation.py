@@ -31,7 +31,7 @@ from pdecomp.llama import SITE_LAYER_SAVES
 from pdecomp.losses import DISTANCES
 from pdecomp.masks import PGD_SCOPES, PLANS, ROUTINGS, SOURCES
 from pdecomp.resolve import data_axis
-from pdecomp.sharding import mesh_candidates
+from pdecomp.sharding import mesh_candidates, planned_gpus
 from pdecomp.train import REMAT, SCHEDULES, TIE_UPDATES
 
 
@@ -211,7 +211,7 @@ def _validate_mesh_fit(cfg: RunConfig) -> None:
     if not mesh_candidates(me, microbatch):
         raise ConfigError("data.batch_size", cfg.data.batch_size,
                           f"gate.fit=mesh: no split of {me.hosts} x "
-                          f"{max(me.gpus_per_host, 1)} GPUs leaves a data axis that divides "
+                          f"{planned_gpus(me)[0]} GPUs leaves a data axis that divides "
                           f"a microbatch of {microbatch} examples")
 
 
@@ -251,7 +251,7 @@ def _validate_mesh(cfg: RunConfig, n_devices: int | None) -> None:
     for name, axis in me.rules.items():
         _choice("mesh.rules", name, LOGICAL_AXES)
         _choice(f"mesh.rules.{name}", axis, MESH_AXES)
-    planned = me.hosts * max(me.gpus_per_host, 1)  # the devices a run is sized for
+    planned = planned_gpus(me)[1]  # the devices a run is sized for
     if (cfg.gate.target != "local" or me.gpus_per_host) and planned % me.model:
         raise ConfigError("mesh.model", me.model, f"must divide the mesh's {planned} devices")
     data_axis = planned // me.model

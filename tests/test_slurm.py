@@ -31,8 +31,14 @@ SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "slurm_cluster.sh"
 
 # TMS 5-2 for a few hundred steps: long enough to interrupt, short enough for CI.
 STEPS = 600
-RUN = [f"optim.steps={STEPS}", "logging.log_every=20", "logging.ckpt_every=200",
-       "data.batch_size=256", "data.eval_batches=1", "logging.wandb.mode=disabled"]
+
+
+def run_args(steps: int) -> list[str]:
+    return [f"optim.steps={steps}", "logging.log_every=20", "logging.ckpt_every=200",
+            "data.batch_size=256", "data.eval_batches=1", "logging.wandb.mode=disabled"]
+
+
+RUN = run_args(STEPS)
 TWO_TASKS = ["cluster=slurm", "hydra.launcher.tasks_per_node=2",
              "hydra.launcher.cpus_per_task=1"]
 TWO_NODES = ["cluster=slurm", "hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=1",
@@ -166,15 +172,16 @@ def check_two_process_run(proc, sweep: Path, reference: Path, hosts: int,
     assert (run_dir / "summary.json").is_file() and (run_dir / ".hydra").is_dir()
 
 
-# The journey `make test` keeps (the rest are the slow tier's): a sixth of RUN's steps.
-SHORT_RUN = [*RUN, f"optim.steps={STEPS // 6}"]
+# The journey `make test` keeps (the rest are the slow tier's), at a sixth of RUN's steps.
+SHORT_STEPS = 100
+SHORT_RUN = run_args(SHORT_STEPS)
 
 
 def test_two_tasks_train_as_one_run(cluster, tmp_path: Path) -> None:
     """Two tasks on one node: two JAX processes, gate first, losses of the 1-process run."""
     reference = one_process_run(SHORT_RUN, cluster, tmp_path / "reference")
     proc, sweep, seconds = submit([*TWO_TASKS, *SHORT_RUN], tmp_path, cluster)
-    print(f"2 tasks, {STEPS // 6} steps: {seconds:.1f} s")
+    print(f"2 tasks, {SHORT_STEPS} steps: {seconds:.1f} s")
     check_two_process_run(proc, sweep, reference, hosts=1)
 
 
