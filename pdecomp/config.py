@@ -287,14 +287,20 @@ class DataConfig:
 @dataclass(frozen=True)
 class MeshConfig:
     """Device mesh: a data axis and a model axis. The batch is split over data, each site's
-    components over model (along C); with `shard_state` (FSDP) the frozen target,
-    components, CI function and optimizer moments are split over data too."""
+    components over model (along C); with `shard_state` (FSDP) the optimizer moments and
+    the adversary are split over data too, and with `shard_weights` the frozen target,
+    components and CI function as well."""
 
     name: str = "local"
     data: int = 0  # devices on the data axis; 0: every device (local) or hosts x gpus_per_host
     hosts: int = 1  # the GPUs a run is sized for: a deviceless gate compiles for
     gpus_per_host: int = 0  # hosts x gpus_per_host of them (0: one GPU)
     shard_state: bool = False
+    # With shard_state: the weights (frozen target, components, CI function) split over data
+    # too (ZeRO-3: least memory; every pass over a microbatch gathers them, across hosts on
+    # a multi-host data axis), or (false) whole on each data replica, only the moments and
+    # the adversary split (ZeRO-1: the gradients reduced across data instead).
+    shard_weights: bool = True
     # Devices on the model axis (they hold one C-slice each of every site's components and
     # CI logit head, and of the [*pos, C] activations); the rest of the mesh is the data
     # axis. Keep it within a host: its all-reduces run on every site matmul.

@@ -55,8 +55,10 @@ class Layout:
     mesh: Mesh
     rules: Mapping[str, str | None]
     fsdp: bool = False  # split each leaf's largest unnamed dimension on `data` too
+    fsdp_weights: bool = True  # ... the weights' too, not only the STATE_ONLY fields'
 
-    def spec(self, names: Sequence[str | None], shape: tuple[int, ...]) -> P:
+    def spec(self, names: Sequence[str | None], shape: tuple[int, ...], fsdp: bool = True
+             ) -> P:
         """Mesh axes for `shape`: a named dimension takes its rule's axis where the axis has
         more than one device and divides it; with FSDP the largest dimension left then
         takes `data` where it divides. (A leaf with no C dimension, such as the frozen
@@ -70,7 +72,7 @@ class Layout:
                     and shape[i] % self.mesh.shape[ax] == 0:
                 axes[i] = ax
         n = self.mesh.shape.get(AXIS, 1)
-        if self.fsdp and n > 1 and AXIS not in axes:
+        if fsdp and self.fsdp and n > 1 and AXIS not in axes:
             for i in sorted(range(len(shape)), key=lambda i: -shape[i]):
                 if axes[i] is None and shape[i] % n == 0:
                     axes[i] = AXIS
@@ -91,7 +93,7 @@ class Layout:
 
 def make_layout(planned: MeshConfig, mesh: Mesh) -> Layout:
     """The layout the config's `mesh.rules` and `mesh.shard_state` ask for on `mesh`."""
-    return Layout(mesh, dict(planned.rules), planned.shard_state)
+    return Layout(mesh, dict(planned.rules), planned.shard_state, planned.shard_weights)
 
 
 @dataclass(frozen=True)
@@ -178,9 +180,16 @@ HOST = "pinned_host"
 DEVICE = "device"
 
 
+# The state's fields FSDP splits over data whether or not it splits the weights
+# (`mesh.shard_weights`): each device updates its slice of them and nothing gathers them.
+STATE_ONLY = ("comp_opt", "ci_opt", "adversary")
+
+
 def leaf_sharding(layout: Layout, path: str, shape: tuple[int, ...],
                   memory_kind: str | None = None) -> NamedSharding:
-    spec = layout.spec(logical_axes(path, len(shape)), shape)
+    field = re.match(r"\.?(\w*)", path).group(1)
+    fsdp = layout.fsdp_weights or field in STATE_ONLY
+    spec = layout.spec(logical_axes(path, len(shape)), shape, fsdp)
     return NamedSharding(layout.mesh, spec, memory_kind=memory_kind)
 
 

@@ -11,6 +11,7 @@ import subprocess
 import threading
 import zlib
 from pathlib import Path
+from urllib.parse import quote
 
 import jax
 import jax.numpy as jnp
@@ -650,21 +651,21 @@ def view_rows(chromium: str, url: str, tmp: Path) -> tuple[str, list[int]]:
     return dom, [int(c) for c in re.findall(r'data-component="(\d+)"', dom)]
 
 
-@pytest.mark.slow  # shares the llama_tiny run
-def test_the_viewer_pages_sorts_and_searches_in_a_browser(chromium: str, lm_report: Path,
-                                                           viewer: str, tmp_path: Path) -> None:
-    table = pq.read_table(lm_report / "analysis" / "components" / f"{SITE}.parquet")
-    rows = table.to_pylist()
+def check_viewer(chromium: str, run_dir: Path, viewer: str, site: str, tmp: Path) -> dict:
+    """What the viewer of `run_dir`'s analysis at `viewer` shows of `site`, against its
+    Parquet table: every component page by page, the frequency sort, a component found by a
+    token it fires on, and every statistic of it on its row; the component found."""
+    rows = pq.read_table(run_dir / "analysis" / "components" / f"{site}.parquet").to_pylist()
     C, per = len(rows), 24
     seen = []
     for page in range(-(-C // per)):  # every component of the site, page by page
-        _, shown = view_rows(chromium, f"{viewer}#site={SITE}&page={page}&per={per}", tmp_path)
+        _, shown = view_rows(chromium, f"{viewer}#site={site}&page={page}&per={per}", tmp)
         assert len(shown) == min(per, C - page * per)
         seen += shown
     assert seen == list(range(C))
 
-    _, shown = view_rows(chromium, f"{viewer}#site={SITE}&sort=frequency&order=desc&per={C}",
-                         tmp_path)
+    _, shown = view_rows(chromium, f"{viewer}#site={site}&sort=frequency&order=desc&per={C}",
+                         tmp)
     freq = {r["component"]: r["frequency"] for r in rows}
     assert [freq[c] for c in shown] == sorted(freq.values(), reverse=True)
 
@@ -675,14 +676,12 @@ def test_the_viewer_pages_sorts_and_searches_in_a_browser(chromium: str, lm_repo
         any(t["token"].strip() == r["input_tokens"][0]["token"].strip() for t in o["input_tokens"])
         for o in firing))
     word = target["input_tokens"][0]["token"].strip() or target["input_tokens"][0]["token"]
-    from urllib.parse import quote
-
-    _, shown = view_rows(chromium, f"{viewer}#site={SITE}&q={quote(word)}&per={C}", tmp_path)
+    _, shown = view_rows(chromium, f"{viewer}#site={site}&q={quote(word)}&per={C}", tmp)
     assert target["component"] in shown and len(shown) < C
 
     # every statistic of one component on its row
     c = target["component"]
-    dom, shown = view_rows(chromium, f"{viewer}#site={SITE}&q=%23{c}", tmp_path)
+    dom, shown = view_rows(chromium, f"{viewer}#site={site}&q=%23{c}", tmp)
     assert shown == [c]
     row = re.search(rf'<tr[^>]*data-component="{c}".*?</tr>', dom, re.DOTALL).group(0)
     assert f"{target['fired']} of {target['positions']}" in row  # frequency and its bound
@@ -694,6 +693,15 @@ def test_the_viewer_pages_sorts_and_searches_in_a_browser(chromium: str, lm_repo
         "input_tokens", "input_tokens_pmi", "next_tokens"))
     for p in target["cofire"]:
         assert f"{p['site']} #{p['component']}" in row
+    dce = re.search(r'class="n ablation">([^<]*)<', row).group(1)  # its ablation effect
+    assert float(dce) == pytest.approx(target["ablation_dce"], rel=2e-3)
+    return target
+
+
+@pytest.mark.slow  # shares the llama_tiny run
+def test_the_viewer_pages_sorts_and_searches_in_a_browser(chromium: str, lm_report: Path,
+                                                           viewer: str, tmp_path: Path) -> None:
+    check_viewer(chromium, lm_report, viewer, SITE, tmp_path)
 
     # a down_proj component's promoted and suppressed tokens, each with its logit
     down = "layers.1.mlp.down_proj"

@@ -1,6 +1,7 @@
 """Mesh layouts and memory plans move bytes, not numbers: llama_tiny's step (chunkwise
 uniform-k recon, persistent PGD, global CI transformer) on 8 CPU devices as data 8 x model 1
-and data 2 x model 4 (components split along C), with the CI streamed, layers
+and data 2 x model 4 (components split along C), and data 4 x model 2 with the weights
+whole on each data replica, with the CI streamed, layers
 rematerialized and the batch in microbatches (and, on 2 x 4, the optimizer moments kept in
 host memory), against the plain single-device step."""
 
@@ -73,7 +74,11 @@ SCRIPT = textwrap.dedent("""
            "8x1": run(plan(cfg), Layout(Mesh(devices.reshape(8, 1), ("data", "model")),
                                         {"batch": "data", "comp": "model"}, fsdp=True)),
            "2x4": run(plan(cfg, 2, offload=True), Layout(Mesh(devices.reshape(2, 4), ("data", "model")),
-                                           {"batch": "data", "comp": "model"}, fsdp=True))}
+                                           {"batch": "data", "comp": "model"}, fsdp=True)),
+           # the weights whole on each data replica, the moments split (mesh.shard_weights)
+           "4x2-zero1": run(plan(cfg, 2), Layout(Mesh(devices.reshape(4, 2), ("data", "model")),
+                                                 {"batch": "data", "comp": "model"}, fsdp=True,
+                                                 fsdp_weights=False))}
     print(json.dumps(out))
 """)
 
@@ -87,7 +92,7 @@ def test_layouts_and_memory_plans_give_the_single_device_step():
     assert out["2x4"]["moments_in"] == ["pinned_host"], out["2x4"]["moments_in"]
     assert out["2x4"]["components_in"] == ["device"], out["2x4"]["components_in"]
     assert out["8x1"]["moments_in"] == ["device"], out["8x1"]["moments_in"]
-    for name in ("8x1", "2x4"):
+    for name in ("8x1", "2x4", "4x2-zero1"):
         got = out[name]
         for k, v in ref["metrics"].items():
             np.testing.assert_allclose(got["metrics"][k], v, rtol=1e-5, atol=1e-7,

@@ -72,3 +72,25 @@ def test_run_json_records_the_resolved_run_and_reads_back():
     assert prov["jax"] and prov["python"] and prov["pdecomp"]
     if (Path(__file__).resolve().parents[1] / ".git").exists():  # a checkout: its commit
         assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", prov["commit"]), prov["commit"]
+
+
+@pytest.mark.parametrize("weights", [True, False])
+def test_shard_weights_splits_the_weights_over_data_or_only_the_moments(weights: bool) -> None:
+    """FSDP on data 4 x model 2: a component's V splits its C on model either way; with
+    `mesh.shard_weights` its other dimension (and the frozen target's largest) on data too,
+    without it only the moments and the adversary split on data."""
+    from jax.sharding import AbstractMesh
+
+    from pdecomp.config import MeshConfig
+    from pdecomp.sharding import leaf_sharding, make_layout
+
+    me = MeshConfig(shard_state=True, shard_weights=weights, model=2)
+    layout = make_layout(me, AbstractMesh((4, 2), ("data", "model")))
+    spec = {path: tuple(leaf_sharding(layout, path, (64, 32)).spec) for path in (
+        ".components.sites['a'].V", ".comp_opt[0].mu.sites['a'].V", ".attn['q_proj']",
+        ".ci_fn.w_in", ".adversary.sources['a']")}
+    data = "data" if weights else None
+    assert spec[".components.sites['a'].V"] == (data, "model")
+    assert spec[".attn['q_proj']"] == spec[".ci_fn.w_in"] == (data, None)
+    assert spec[".comp_opt[0].mu.sites['a'].V"] == ("data", "model")
+    assert spec[".adversary.sources['a']"] == ("data", None)
