@@ -48,7 +48,7 @@ class TokenDType(enum.StrEnum):
 FIT_MODES, DTYPES = tuple(FitMode), tuple(DType)
 DATA_SOURCES, TOKEN_DTYPES = tuple(DataSource), tuple(TokenDType)
 MESH_AXES = ("data", "model", "none")
-LOGICAL_AXES = ("batch", "comp", "embed", "ci_embed")
+LOGICAL_AXES = ("batch", "comp", "embed", "ci_embed", "ci_in")
 REMAT_NAMES = ("site_inner", "site_out", "layer_out")  # checkpoint_name tags in the forward
 LLAMA_MLP = ("gate_proj", "up_proj", "down_proj")
 LLAMA_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -307,7 +307,8 @@ class MeshConfig:
     model: int = 1
     # Logical axis -> mesh axis (`data`, `model`, or `none`: replicated). Logical axes: batch
     # (activations' first position axis), comp (a site's C), embed (site weight dims),
-    # ci_embed (the CI logit head's input). FSDP (`shard_state`) then splits each leaf's
+    # ci_embed (the CI logit head's input), ci_in (the global CI transformer's input: every
+    # site's input side by side, its w_in's rows). FSDP (`shard_state`) then splits each leaf's
     # largest unnamed dimension on `data`.
     rules: dict[str, str] = field(default_factory=lambda: {"batch": "data", "comp": "model"})
     # Multi-process jobs: how long a rank waits for every process to join jax.distributed

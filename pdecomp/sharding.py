@@ -36,6 +36,7 @@ LOGICAL: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"\.V$", ("embed", "comp")),
     (r"\.U$", ("comp", "embed")),
     (r"\.w_out\[\d+\]$", ("ci_embed", "comp")),
+    (r"\.w_in$", ("ci_in", "ci_embed")),  # the global CI transformer's: every site's inputs in
     (r"\.b_out\[\d+\]$", ("comp",)),
 )
 
