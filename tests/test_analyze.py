@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import PDECOMP, leet, ok, pdecomp
 
-from pdecomp import analyze, metrics
+from pdecomp import analyze, metrics, view
 from pdecomp.ci import ci_lower
 from pdecomp.components import Components, SiteComponents
 from pdecomp.lm import token_stream
@@ -588,6 +588,8 @@ def test_every_statistic_matches_a_direct_recomputation(lm_report: Path) -> None
         nxt = np.roll(flat_ids, -1)
         _check_tokens(row["next_tokens"], nxt[fired[:, c] & has_next], nxt[has_next])
         _check_tokens(row["input_tokens_pmi"], flat_ids[fired[:, c]], flat_ids, by_pmi=True)
+        _check_tokens(row["next_tokens_pmi"], nxt[fired[:, c] & has_next], nxt[has_next],
+                      by_pmi=True)
 
     _check_ablation(run, ids, ci, [r.get("ablation_dce") for r in t], fired)
 
@@ -689,8 +691,7 @@ def check_viewer(chromium: str, run_dir: Path, viewer: str, site: str, tmp: Path
     assert row.count('class="ctx"') == len(target["top_contexts"]) + len(
         target["sample_contexts"])  # top and drawn contexts, the firing token in <b>
     assert row.count("<b>") == row.count('class="ctx"')
-    assert row.count('class="tok"') == sum(len(target[k]) for k in (
-        "input_tokens", "input_tokens_pmi", "next_tokens"))
+    assert row.count('class="tok"') == sum(len(target.get(k) or ()) for k in view.TOKEN_COLUMNS)
     for p in target["cofire"]:
         assert f"{p['site']} #{p['component']}" in row
     dce = re.search(r'class="n ablation">([^<]*)<', row).group(1)  # its ablation effect
@@ -710,8 +711,8 @@ def test_the_viewer_pages_sorts_and_searches_in_a_browser(chromium: str, lm_repo
     dom, shown = view_rows(chromium, f"{viewer}#site={down}&q=%230", tmp_path)
     row = re.search(r'<tr[^>]*data-component="0".*?</tr>', dom, re.DOTALL).group(0)
     effects = first["promoted_tokens"] + first["suppressed_tokens"]
-    assert shown == [0] and row.count('class="tok"') == len(effects) + sum(
-        len(first[k]) for k in ("input_tokens", "input_tokens_pmi", "next_tokens"))
+    assert shown == [0] and row.count('class="tok"') == sum(
+        len(first[k] or ()) for k in view.TOKEN_COLUMNS)
     assert len(effects) == 16 and "suppresses:" in row
 
     # a text read token by token: the components firing at each, strongest first, each a
