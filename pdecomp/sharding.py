@@ -1,7 +1,8 @@
 """Meshes and shardings: a `data` axis and a `model` axis. The batch splits on `data`;
 components split on `model` along C (logical axis `comp`), so a site's V, U, CI logit head,
 logits, masks and inner activations are never whole on one device; with `shard_state`
-(FSDP) every leaf also splits its largest remaining dimension on `data`.
+(FSDP) every leaf also splits its largest remaining dimension on `data` (with
+`shard_weights` false, only the optimizer moments and the adversary: ZeRO-1).
 
 Each array leaf has logical axis names (`logical_axes`); the mesh config's `rules` map them
 to mesh axes. Everything here works on abstract trees (ShapeDtypeStructs), so the same
@@ -62,7 +63,7 @@ class Layout:
              ) -> P:
         """Mesh axes for `shape`: a named dimension takes its rule's axis where the axis has
         more than one device and divides it; with FSDP the largest dimension left then
-        takes `data` where it divides. (A leaf with no C dimension, such as the frozen
+        takes `data` where it divides (`fsdp` false: not for this leaf). (A leaf with no C dimension, such as the frozen
         target, is then repeated on each device of the model axis: splitting it over both
         axes halved the 8B preset's argument bytes but made XLA's partitioner replicate
         the weight deltas between layouts and doubled the compile.)"""
