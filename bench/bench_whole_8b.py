@@ -26,7 +26,7 @@ CASES = {  # name: (overrides, GPUs, positions a step)
     # fewer, larger microbatches: each one's gradient reduction crosses the hosts
     "b128_x32_mb2": (["mesh=fsdp4x8", "data.batch_size=128", "optim.microbatch_size=2"], 32,
                      128 * 512),
-    "b128_x32_mb4": (["mesh=fsdp4x8", "data.batch_size=128", "optim.microbatch_size=4"], 32,
+    "b128_x32_mb1": (["mesh=fsdp4x8", "data.batch_size=128", "optim.microbatch_size=1"], 32,
                      128 * 512),
     # the weights split over data too (ZeRO-3), gathered per microbatch: for comparison
     "b128_x32_zero3": (["mesh=fsdp4x8", "data.batch_size=128", "mesh.shard_weights=true"], 32,
