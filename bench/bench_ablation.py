@@ -19,9 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pdecomp import analyze, harvest, losses, metrics
+from pdecomp import analyze, harvest, metrics
 from pdecomp.ci import ci_lower
-from pdecomp.components import SiteMask, masked_linear
 from pdecomp.runs import load_run
 
 RESULTS = Path(__file__).resolve().parent / "results.json"
@@ -30,17 +29,15 @@ RESULTS = Path(__file__).resolve().parent / "results.json"
 def exact_effects(f: metrics.SiteForward, components, x, site: str, fired, chosen):
     """Per chosen component of `site`: the summed CE with it ablated where it fires, less
     the CE of the unablated forward (the target's own output: every mask 1, delta on)."""
-    def total_ce(drop):  # drop: [positions, C] of 0/1, 1 where ablated
-        masks = {s: SiteMask(jnp.ones(g.shape), jnp.ones(g.shape[:-1]), None)
-                 for s, g in f.logits.items()}
-        shape = masks[site].mask.shape
-        masks[site] = masks[site]._replace(mask=1.0 - drop.reshape(shape))
-        logits = f.suffix(f.resid, masked_linear(components, masks))
-        return losses.cross_entropy(logits, x) * x.shape[0] * (x.shape[1] - 1)
+    ones = {s: jnp.ones(g.shape) for s, g in f.logits.items()}
 
-    base = total_ce(jnp.zeros(fired.shape))
+    def ablated(drop):  # drop: [positions, C] of 0/1, 1 where ablated
+        mask = 1.0 - drop.reshape(ones[site].shape)
+        return harvest.masked_ce(f, components, x, {**ones, site: mask})
+
+    base = harvest.masked_ce(f, components, x, ones)
     one_hot = jax.nn.one_hot(chosen, fired.shape[1])
-    return jax.lax.map(lambda h: total_ce(fired * h) - base, one_hot)
+    return jax.lax.map(lambda h: ablated(fired * h) - base, one_hot)
 
 
 def site_figures(first: np.ndarray, exact: np.ndarray) -> dict:

@@ -108,6 +108,15 @@ def cofire_counts(fired: Sequence[Array]) -> Array:
     return jnp.einsum("nc,nd->cd", m, m, precision=jax.lax.Precision.HIGHEST).astype(jnp.int32)
 
 
+def masked_ce(f: metrics.SiteForward, components: Any, x: Array, masks: dict[str, Array]
+              ) -> Array:
+    """The CE summed over the batch's predicted positions, every site live with its mask in
+    `masks` and the delta channel on (all masks 1: the target's own output)."""
+    logits = f.suffix(f.resid, masked_linear(components, {
+        s: SiteMask(m, jnp.ones(m.shape[:-1]), None) for s, m in masks.items()}))
+    return losses.cross_entropy(logits, x) * x.shape[0] * (x.shape[1] - 1)
+
+
 def ablation_gradients(f: metrics.SiteForward, components: Any, x: Array
                        ) -> dict[str, Array]:
     """d(the CE summed over the batch's predicted positions) / d(mask of each component at
@@ -115,15 +124,8 @@ def ablation_gradients(f: metrics.SiteForward, components: Any, x: Array
     target's own output), [positions, C] per site. Ablating c where it fires changes the CE
     by about -sum of these over its firing positions (first order; one backward pass for
     all components, where exact ablation would take one forward each)."""
-    shapes = {s: f.logits[s].shape for s in f.inputs}
-    delta = {s: jnp.ones(shape[:-1]) for s, shape in shapes.items()}
-
-    def total_ce(masks: dict[str, Array]) -> Array:
-        logits = f.suffix(f.resid, masked_linear(components, {
-            s: SiteMask(masks[s], delta[s], None) for s in masks}))
-        return losses.cross_entropy(logits, x) * x.shape[0] * (x.shape[1] - 1)
-
-    grads = jax.grad(total_ce)({s: jnp.ones(shape) for s, shape in shapes.items()})
+    grads = jax.grad(lambda m: masked_ce(f, components, x, m))(
+        {s: jnp.ones(f.logits[s].shape) for s in f.inputs})
     return {s: g.reshape(-1, g.shape[-1]) for s, g in grads.items()}
 
 

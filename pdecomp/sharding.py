@@ -37,7 +37,9 @@ LOGICAL: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"\.V$", ("embed", "comp")),
     (r"\.U$", ("comp", "embed")),
     (r"\.w_out\[\d+\]$", ("ci_embed", "comp")),
-    (r"\.w_in$", ("ci_in", "ci_embed")),  # the global CI transformer's: every site's inputs in
+    # the global CI transformer's input projection (every site's inputs in), not a per-site
+    # CI function's (`.sites['...'].w_in`)
+    (r"[^\]]\.w_in$", ("ci_in", "ci_embed")),
     (r"\.b_out\[\d+\]$", ("comp",)),
 )
 
@@ -63,8 +65,8 @@ class Layout:
              ) -> P:
         """Mesh axes for `shape`: a named dimension takes its rule's axis where the axis has
         more than one device and divides it; with FSDP the largest dimension left then
-        takes `data` where it divides (`fsdp` false: not for this leaf). (A leaf with no C dimension, such as the frozen
-        target, is then repeated on each device of the model axis: splitting it over both
+        takes `data` where it divides (`fsdp` false: not for this leaf). (A leaf with no C
+        dimension, such as the frozen target, is then repeated on each device of the model axis: splitting it over both
         axes halved the 8B preset's argument bytes but made XLA's partitioner replicate
         the weight deltas between layouts and doubled the compile.)"""
         axes: list[Any] = [None] * len(shape)

@@ -94,3 +94,10 @@ def test_shard_weights_splits_the_weights_over_data_or_only_the_moments(weights:
     assert spec[".attn['q_proj']"] == spec[".ci_fn.w_in"] == (data, None)
     assert spec[".comp_opt[0].mu.sites['a'].V"] == ("data", "model")
     assert spec[".adversary.sources['a']"] == ("data", None)
+    # mesh.rules.ci_in: the global CI transformer's input projection by rows over model (its
+    # moments too), not a per-site CI function's
+    split = make_layout(dc.replace(me, rules={**me.rules, "ci_in": "model"}),
+                        AbstractMesh((4, 2), ("data", "model")))
+    assert tuple(leaf_sharding(split, ".ci_fn.w_in", (64, 32)).spec) == ("model", data)
+    assert tuple(leaf_sharding(split, ".ci_opt[0].mu.w_in", (64, 32)).spec) == ("model", "data")
+    assert tuple(leaf_sharding(split, ".ci_fn.sites['a'].w_in", (64, 32)).spec) == (data, None)
