@@ -58,7 +58,7 @@ def gate(run: Run, mesh: Mesh, o: harvest.Options, batch_size: int,
     target_abs, state_abs = placed_abstract(run, mesh)
     batch = run.kind.batch_abstract(run.model, run.data, batch_size, NamedSharding(mesh, P()))
     tied, step = dict(run.tied), harvest.step_fn(o)
-    C = {s: c.V.shape[1] for s, c in state_abs.components.sites.items()}
+    C = state_abs.components.site_C
     C |= {s: C[source] for s, source in tied.items()}  # a tied site shares its source's C
     rows = NamedSharding(mesh, P(MODEL, None))
     cofire = tuple(jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows)

@@ -243,7 +243,7 @@ def component_stats(run: LoadedRun, o: harvest.Options, windows: int = 256,
     if total <= 0:
         raise ValueError(f"nothing to analyse: {total} {'windows' if lm else 'inputs'}")
     batches = _lm_windows(run, windows, B, split) if lm else _toy_inputs(run, inputs, B)
-    C = {s: c.V.shape[1] for s, c in run.components.sites.items()}
+    C = run.components.site_C
     vocab = arch(run.config.model).vocab_size if lm else 0
     request = {"step": run.step, "total": total, "batch": B, "split": split, "options": repr(o)}
     state = analysis_state.PassState(request, 0, 0, {

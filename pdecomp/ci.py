@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import equinox as eqx
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from pdecomp.ci_global import GlobalCITransformer
-from pdecomp.components import Components
+from pdecomp.components import Components, Groups
 from pdecomp.config import LayersConfig
 
 ALPHA = 0.01
@@ -177,8 +177,9 @@ class CIFunction(eqx.Module):
 
     @staticmethod
     def init(key: PRNGKeyArray, layers: LayersConfig, d_in: Mapping[str, int],
-             C: Mapping[str, int]) -> CIFunction:
-        return CI_FNS[layers.ci_fn](key, layers, d_in, C)
+             C: Mapping[str, int], layout: Groups | None = None) -> CIFunction:
+        """`layout`: the components' groups (the global network stacks its heads by them)."""
+        return CI_FNS[layers.ci_fn](key, layers, d_in, C, layout)
 
     def __call__(self, site_inputs: Mapping[str, Array], components: Components
                  ) -> dict[str, Float[Array, "*pos C"]]:
@@ -190,41 +191,47 @@ class CIFunction(eqx.Module):
     # its CI (`memory.stream_ci`) recomputes a site's logits where they are used instead of
     # keeping every site's [*pos, C] logits for the whole step.
 
-    def features(self, site_inputs: Mapping[str, Array], remat: bool = False) -> Any:
-        """What every site's logits are computed from: the global network's final hidden
-        state [*pos, d_model] (`remat`: its blocks rematerialized), or the site inputs."""
+    def features(self, inputs: Mapping[str, Array], components: Components,
+                 remat: bool = False) -> Any:
+        """What every site's logits are computed from, given the site inputs stacked by the
+        components' groups: the global network's final hidden state [*pos, d_model]
+        (`remat`: its blocks rematerialized), or each site's input."""
         if self.global_net is not None:
-            return self.global_net.hidden(site_inputs, remat)
-        return dict(site_inputs)
+            return self.global_net.hidden(inputs, remat)
+        return components.layout.unstack(inputs)
 
-    def logits_of(self, features: Any, sites: Sequence[str], components: Components
-                  ) -> dict[str, Float[Array, "*pos C"]]:
+    def logits_of(self, features: Any, live: Mapping[str, tuple[int, ...]],
+                  components: Components) -> dict[str, Float[Array, "n *pos C"]]:
+        """The logits of each group's members `live[g]` (the components' groups), stacked."""
         if self.global_net is not None:
-            return self.global_net.logits_of(features, sites)
-        return {s: self.sites[s](features[s], components.sites[s].V) for s in sites}
+            return self.global_net.logits_of(features, live)
+        layout = components.layout
+        per_site = {s: self.sites[s](features[s], c.V)
+                    for s, c in layout.unstack(components.groups, live).items()}
+        return layout.stack(per_site, live)
 
-    def per_site(self, features: Any, sites: Sequence[str], components: Components,
-                 fn: Callable[[Array], Any]) -> dict[str, Any]:
-        """fn(logits of s) for each of `sites`, one site's logits at a time and
-        rematerialized (the backward recomputes them). The global network's sites of one C
-        run under one `lax.map` over their stacked heads: traced once however many."""
+    def per_group(self, features: Any, live: Mapping[str, tuple[int, ...]],
+                  components: Components, fn: Callable[[Array], Any]) -> dict[str, Any]:
+        """fn(logits of s) for each live member s of each group, stacked by group, one
+        site's logits at a time and rematerialized (the backward recomputes them). The global
+        network's members of a group run under one `lax.map` over their stacked heads:
+        traced once however many."""
         net = self.global_net
-        if net is None:
-            return {s: jax.checkpoint(lambda s=s: fn(self.logits_of(features, (s,),
-                                                                    components)[s]))()
-                    for s in sites}
-        out: dict[str, Any] = {}
-        for group, heads in net.head_groups(sites):
-            ys = jax.lax.map(jax.checkpoint(lambda head: fn(net.head_logits(features, head))),
-                             heads)
-            out |= {s: jax.tree.map(lambda y, k=k: y[k], ys) for k, s in enumerate(group)}
-        return out
+        if net is not None:
+            return {g: jax.lax.map(jax.checkpoint(
+                lambda head: fn(net.head_logits(features, head))), net.heads(g, ix))
+                for g, ix in live.items()}
+        layout = components.layout
+        out = {s: jax.checkpoint(lambda s=s, c=c: fn(self.sites[s](features[s], c.V)))()
+               for s, c in layout.unstack(components.groups, live).items()}
+        return layout.stack(out, live)
 
 
 def _per_site(net: Callable[..., ComponentwiseMLP | SharedMLP]) -> Callable[..., CIFunction]:
     """A CI function of one `net(key, C, d_in, hidden)` per site."""
     def init(key: PRNGKeyArray, layers: LayersConfig, d_in: Mapping[str, int],
-             C: Mapping[str, int]) -> CIFunction:
+             C: Mapping[str, int], layout: Groups | None = None) -> CIFunction:
+        del layout  # one network per site
         keys = jax.random.split(key, len(C))
         return CIFunction({s: net(k, C[s], d_in[s], list(layers.ci_hidden))
                            for k, s in zip(keys, C, strict=True)})
@@ -232,9 +239,10 @@ def _per_site(net: Callable[..., ComponentwiseMLP | SharedMLP]) -> Callable[...,
 
 
 def _global(key: PRNGKeyArray, layers: LayersConfig, d_in: Mapping[str, int],
-            C: Mapping[str, int]) -> CIFunction:
+            C: Mapping[str, int], layout: Groups | None = None) -> CIFunction:
     return CIFunction({}, GlobalCITransformer.init(
-        key, d_in, C, layers.ci_d_model, layers.ci_blocks, layers.ci_heads, layers.ci_mlp))
+        key, d_in, C, layers.ci_d_model, layers.ci_blocks, layers.ci_heads, layers.ci_mlp,
+        layout))
 
 
 # The CI functions by name (`layers.ci_fn`): (key, layers config, d_in and C per site) ->

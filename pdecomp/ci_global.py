@@ -2,14 +2,14 @@
 
 Weightless RMSNorm of each site's input, concatenate along features (in the order of `d_in`),
 linear to d_model, `n_blocks` pre-norm blocks of bidirectional RoPE attention + GELU MLP,
-final norm, linear to ΣC, split per site (in the order of `C`) (docs/method.md, "Causal
+final norm, linear to ΣC, split per site (each site's head, stacked by group) (docs/method.md, "Causal
 importance (CI)").
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import equinox as eqx
 import jax
@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from pdecomp.blocks import apply_rope, rms_norm, rope_inv_freq, rope_tables
+from pdecomp.components import Groups, take
 
 ROPE_THETA = 10000.0
 NORM_EPS = 1e-6
@@ -56,7 +57,7 @@ class GlobalCITransformer(eqx.Module):
     have no biases except the input and logit linears. Weights are [d_in, d_out].
     """
 
-    w_in: Float[Array, "D d_model"]
+    w_in: dict[str, Float[Array, "n d_in d_model"]]  # each site's rows, stacked by group
     b_in: Float[Array, " d_model"]
     attn_norm: Float[Array, "L d_model"]
     wq: Float[Array, "L d_model d_model"]
@@ -67,11 +68,12 @@ class GlobalCITransformer(eqx.Module):
     w_up: Float[Array, "L d_model d_mlp"]
     w_down: Float[Array, "L d_mlp d_model"]
     final_norm: Float[Array, " d_model"]
-    # The logit linear, one head per site (in the order of `C`): a site's logits come from its
-    # own [d_model, C] block, which shards along C like the site's V and U, and no [*, ΣC]
-    # tensor of every site exists at once.
-    w_out: tuple[Float[Array, "d_model C"], ...]
-    b_out: tuple[Float[Array, " C"], ...]
+    # The logit linear, one head per site, stacked by the components' groups: a site's logits
+    # come from its own [d_model, C] block, which shards along C like the site's V and U, and
+    # no [*, ΣC] tensor of every site exists at once.
+    w_out: dict[str, Float[Array, "n d_model C"]]
+    b_out: dict[str, Float[Array, "n C"]]
+    layout: Groups = eqx.field(static=True)
     sites: tuple[str, ...] = eqx.field(static=True)
     d_in: tuple[int, ...] = eqx.field(static=True)
     C: tuple[int, ...] = eqx.field(static=True)
@@ -79,7 +81,8 @@ class GlobalCITransformer(eqx.Module):
 
     @staticmethod
     def init(key: PRNGKeyArray, d_in: Mapping[str, int], C: Mapping[str, int], d_model: int,
-             n_blocks: int, n_heads: int, d_mlp: int) -> GlobalCITransformer:
+             n_blocks: int, n_heads: int, d_mlp: int, layout: Groups | None = None
+             ) -> GlobalCITransformer:
         if list(d_in) != list(C):
             raise ValueError(f"d_in and C must name the same sites in the same order; got "
                              f"{list(d_in)} and {list(C)}")
@@ -97,8 +100,13 @@ class GlobalCITransformer(eqx.Module):
         k = jax.random.split(key, 8)
         splits = [sum(list(C.values())[:i]) for i in range(1, len(C))]
         sd, sm = 1 / math.sqrt(d_model), 1 / math.sqrt(d_mlp)
+        layout = layout or Groups.of(tuple(C), lambda s: C[s])
+        heads = dict(zip(C, jnp.split(_normal(k[7], (d_model, S), LOGIT_SCALE * sd), splits,
+                                      axis=1)))
         return GlobalCITransformer(
-            w_in=_normal(k[0], (D, d_model), 1 / math.sqrt(D)),
+            w_in=layout.stack(dict(zip(C, jnp.split(
+                _normal(k[0], (D, d_model), 1 / math.sqrt(D)),
+                [sum(list(d_in.values())[:i]) for i in range(1, len(C))])))),
             b_in=jnp.zeros((d_model,), jnp.float32),
             attn_norm=jnp.ones((L, d_model), jnp.float32),
             wq=_normal(k[1], (L, d_model, d_model), sd),
@@ -109,9 +117,9 @@ class GlobalCITransformer(eqx.Module):
             w_up=_normal(k[5], (L, d_model, d_mlp), sd),
             w_down=_normal(k[6], (L, d_mlp, d_model), RESID_OUT_SCALE * sm),
             final_norm=jnp.ones((d_model,), jnp.float32),
-            w_out=tuple(jnp.split(_normal(k[7], (d_model, S), LOGIT_SCALE * sd), splits, axis=1)),
-            b_out=tuple(jnp.full((c,), LOGIT_INIT, jnp.float32) for c in C.values()),
-            sites=tuple(C), d_in=tuple(d_in[s] for s in C), C=tuple(C.values()),
+            w_out=layout.stack(heads),
+            b_out=layout.stack({s: jnp.full((c,), LOGIT_INIT, jnp.float32) for s, c in C.items()}),
+            layout=layout, sites=tuple(C), d_in=tuple(d_in[s] for s in C), C=tuple(C.values()),
             n_heads=n_heads)
 
     def __call__(self, site_inputs: Mapping[str, Array], components=None
@@ -120,26 +128,20 @@ class GlobalCITransformer(eqx.Module):
         sequence). Every site must have the same leading shape. Returns fp32 logits
         [*batch, T, C[s]] (resp. [B, C[s]]) per site. `components` is unused."""
         del components
-        return self.logits_of(self.hidden(site_inputs), self.sites)
+        every = {g: tuple(range(len(ss))) for g, ss in self.layout.members}
+        h = self.hidden(self.layout.stack(site_inputs))
+        return self.layout.unstack(self.logits_of(h, every))
 
-    def logits_of(self, h: Float[Array, "*pos d_model"], sites: Sequence[str]
-                  ) -> dict[str, Float[Array, "*pos C"]]:
-        """The logits of `sites` from the final hidden state: the sites of one C in one
-        batched matmul, traced (and compiled) once however many there are."""
-        out = {}
-        for group, heads in self.head_groups(sites):
-            y = jax.vmap(self.head_logits, in_axes=(None, 0))(h, heads)
-            out |= {s: y[k] for k, s in enumerate(group)}
-        return out
+    def logits_of(self, h: Float[Array, "*pos d_model"], live: Mapping[str, tuple[int, ...]]
+                  ) -> dict[str, Float[Array, "n *pos C"]]:
+        """The logits of each group's members `live[g]` from the final hidden state, stacked:
+        one batched matmul per group, traced (and compiled) once however many members."""
+        return {g: jax.vmap(self.head_logits, in_axes=(None, 0))(h, self.heads(g, ix))
+                for g, ix in live.items()}
 
-    def head_groups(self, sites: Sequence[str]
-                    ) -> list[tuple[tuple[str, ...], tuple[Array, Array]]]:
-        """`sites` grouped by their C, each group's logit heads stacked: (w [n, d_model, C],
-        b [n, C])."""
-        C = {s: self.C[self.sites.index(s)] for s in sites}
-        groups = [tuple(s for s in sites if C[s] == c) for c in dict.fromkeys(C.values())]
-        return [(g, (jnp.stack([self.w_out[self.sites.index(s)] for s in g]),
-                     jnp.stack([self.b_out[self.sites.index(s)] for s in g]))) for g in groups]
+    def heads(self, g: str, ix: tuple[int, ...]) -> tuple[Array, Array]:
+        """Group g's logit heads of members `ix`: (w [n, d_model, C], b [n, C])."""
+        return take((self.w_out[g], self.b_out[g]), ix, len(self.layout.of_group(g)))
 
     def head_logits(self, h: Float[Array, "*pos d_model"], head: tuple[Array, Array]
                     ) -> Float[Array, "*pos C"]:
@@ -148,26 +150,32 @@ class GlobalCITransformer(eqx.Module):
         # bf16 operands, fp32 result: the logits are compared with the 0 and 1 of the squashings
         return jnp.matmul(h, w.astype(h.dtype), preferred_element_type=jnp.float32) + b
 
-    def hidden(self, site_inputs: Mapping[str, Array], remat: bool = False
+    def hidden(self, inputs: Mapping[str, Array], remat: bool = False
                ) -> Float[Array, "*pos d_model"]:
-        """The final (normed) hidden state every site's logits read. `remat`: the backward
-        recomputes each block from its input rather than keeping every block's attention
-        scores."""
-        xs = [site_inputs[s] for s in self.sites]
-        for s, x, d in zip(self.sites, xs, self.d_in):
-            if x.ndim < 2 or x.shape[-1] != d:
-                raise ValueError(f"site {s!r}: input of shape {x.shape}, expected [..., {d}]")
-        lead = xs[0].shape[:-1]
-        if any(x.shape[:-1] != lead for x in xs):
-            raise ValueError(f"site inputs must share their leading shape; got "
-                             f"{ {s: x.shape for s, x in zip(self.sites, xs)} }")
-        no_pos = xs[0].ndim == 2
-        if no_pos:
-            xs = [x[:, None, :] for x in xs]
-        dtype = jnp.result_type(*xs)
-        x = jnp.concatenate([rms_norm(x, jnp.ones((), x.dtype), NORM_EPS).astype(dtype)
-                             for x in xs], axis=-1)
-        h = x @ self.w_in.astype(dtype) + self.b_in.astype(dtype)
+        """The final (normed) hidden state every site's logits read, from the site inputs
+        stacked by group (`inputs[g]`: [n, *batch, T, d_in] or [n, B, d_in]). `remat`: the
+        backward recomputes each block from its input rather than keeping every block's
+        attention scores."""
+        d_in = dict(zip(self.sites, self.d_in))
+        lead = None
+        for g, x in inputs.items():
+            d = d_in[self.layout.of_group(g)[0]]
+            if x.ndim < 3 or x.shape[-1] != d or x.shape[0] != len(self.layout.of_group(g)):
+                raise ValueError(f"group {g!r}: input of shape {x.shape}, expected "
+                                 f"[{len(self.layout.of_group(g))}, ..., {d}]")
+            if lead is not None and x.shape[1:-1] != lead:
+                raise ValueError(f"site inputs must share their leading shape; got "
+                                 f"{ {g: x.shape for g, x in inputs.items()} }")
+            lead = x.shape[1:-1]
+        no_pos = len(lead) == 1
+        xs = {g: x[:, :, None, :] if no_pos else x for g, x in inputs.items()}
+        dtype = jnp.result_type(*xs.values())
+        # Σ over groups and members of (normed input) @ (its rows of the input linear): the
+        # concatenation of every site's input times w_in, without the concatenation
+        h = self.b_in.astype(dtype)
+        for g, x in xs.items():
+            x = rms_norm(x, jnp.ones((), x.dtype), NORM_EPS).astype(dtype)
+            h = h + jnp.einsum("n...d,nde->...e", x, self.w_in[g].astype(dtype))
         cos, sin = rope_tables(rope_inv_freq(self.wq.shape[-1] // self.n_heads, ROPE_THETA),
                                h.shape[-2])
         blocks = (self.attn_norm, self.wq, self.wk, self.wv, self.wo, self.mlp_norm,

@@ -12,7 +12,7 @@ and run them under one `lax.scan` instead of tracing each layer's sites anew.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -107,36 +107,138 @@ def frozen_linear(site: str, x: Array, W: Array) -> Array:
     return dot(x, W)
 
 
+def group_name(site: str) -> str:
+    """The stack a site joins: its name with its first numeric part (its layer) as `*`
+    (`layers.18.mlp.gate_proj` -> `layers.*.mlp.gate_proj`); a name with none is its own."""
+    parts = site.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join([*parts[:i], "*", *parts[i + 1:]])
+    return site
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The decomposed sites stacked by kind: each group's sites (the same name but for the
+    layer, the same shape and C) in the order given; the state holds one array per group with
+    a leading member axis, so the step traces each kind once however many layers hold it."""
+
+    members: tuple[tuple[str, tuple[str, ...]], ...]
+    order: tuple[str, ...]  # every site, in the order given (that of `Components.sites`)
+
+    @staticmethod
+    def of(sites: Sequence[str], same: Callable[[str], Any] = lambda s: (),
+           alone: Iterable[str] = ()) -> Groups:
+        """`sites` grouped by `group_name` where `same(site)` (shape, C) agrees across the
+        group; a group that would mix two is split into its sites, and so are `alone`."""
+        alone = set(alone)
+        by: dict[str, list[str]] = {}
+        for s in sites:
+            by.setdefault(s if s in alone else group_name(s), []).append(s)
+        out: list[tuple[str, tuple[str, ...]]] = []
+        for g, ss in by.items():
+            if len({repr(same(s)) for s in ss}) == 1:
+                out.append((g, tuple(ss)))
+            else:
+                out.extend((s, (s,)) for s in ss)
+        return Groups(tuple(out), tuple(sites))
+
+    @functools.cached_property
+    def index(self) -> dict[str, tuple[str, int]]:
+        """site -> (its group, its place in the group)."""
+        return {s: (g, i) for g, ss in self.members for i, s in enumerate(ss)}
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(g for g, _ in self.members)
+
+    def of_group(self, g: str) -> tuple[str, ...]:
+        return dict(self.members)[g]
+
+    def with_group(self, g: str, sites: tuple[str, ...]) -> Groups:
+        return Groups((*((h, ss) for h, ss in self.members if h != g), (g, sites)),
+                      (*(s for s in self.order if s not in sites), *sites))
+
+    def without(self, g: str) -> Groups:
+        gone = set(self.of_group(g))
+        return Groups(tuple((h, ss) for h, ss in self.members if h != g),
+                      tuple(s for s in self.order if s not in gone))
+
+    def live(self, sites: Iterable[str]) -> dict[str, tuple[int, ...]]:
+        """The members of each group among `sites`: group -> their places, in order."""
+        out: dict[str, list[int]] = {}
+        for s in sites:
+            g, i = self.index[s]
+            out.setdefault(g, []).append(i)
+        return {g: tuple(sorted(ix)) for g, ix in out.items()}
+
+    def stack(self, per_site: Mapping[str, Any], live: Mapping[str, tuple[int, ...]] | None
+              = None) -> dict[str, Any]:
+        """Per-site trees -> per-group trees stacked on a new leading axis (of `live`'s
+        members where given)."""
+        if live is None:
+            live = {g: tuple(range(len(ss))) for g, ss in self.members}
+        return {g: jax.tree.map(lambda *a: jnp.stack(a), *[
+            per_site[self.of_group(g)[i]] for i in ix]) for g, ix in live.items()}
+
+    def unstack(self, per_group: Mapping[str, Any],
+                live: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
+        """The inverse of `stack`: each member's slice, keyed by its site (in `order`)."""
+        out = {}
+        for g, tree in per_group.items():
+            ix = live[g] if live is not None else range(len(self.of_group(g)))
+            out |= {self.of_group(g)[i]: jax.tree.map(lambda a, k=k: a[k], tree)
+                    for k, i in enumerate(ix)}
+        return {s: out[s] for s in self.order if s in out}
+
+
+def take(tree: Any, ix: tuple[int, ...], n: int, axis: int = 0) -> Any:
+    """Members `ix` (along `axis`) of a stacked tree of `n`: the tree itself when all, a
+    slice when they run in order (no gather), a gather otherwise."""
+    if ix == tuple(range(n)):
+        return tree
+    if ix == tuple(range(ix[0], ix[0] + len(ix))):
+        return jax.tree.map(lambda a: jax.lax.slice_in_dim(a, ix[0], ix[0] + len(ix),
+                                                           axis=axis), tree)
+    return jax.tree.map(lambda a: jnp.take(a, jnp.asarray(ix), axis=axis), tree)
+
+
 @dataclass(frozen=True)
 class SiteLinear:
-    """A linear fn as data and one rule: site s computes `apply(data[s], x, W, operand)`; a site
-    without data runs frozen. With `record`, the sites in `data` also store their input
-    there (filled while tracing). A caller that runs several layers under one scan stacks
-    their sites' `data` and calls `apply` in the body (llama.Llama.run_layers)."""
+    """A linear fn as data and one rule: site s, member k of group g (`where[s]`), computes
+    `apply(data[g][k], x, W, operand)`; a site without data runs frozen. Each group's data is
+    stacked over its members, so a caller that runs several layers under one scan feeds a
+    group's data to the scan as it is (llama.Llama.run_layers). With `record`, the sites in
+    `where` also store their input there (filled while tracing)."""
 
-    data: Mapping[str, Any]
+    data: Mapping[str, Any]  # group -> its members' data, stacked
+    where: Mapping[str, tuple[str, int]]  # site -> (group, member)
     apply: Callable[[Any, Array, Array, Any], Array]  # (data, x, W, operand)
     record: dict[str, Array] | None = None
     operand: Any = None  # the matmuls' operand dtype (`dot`); the forward's `split` sets it
 
     def __call__(self, site: str, x: Array, W: Array) -> Array:
-        if site not in self.data:
+        if site not in self.where:
             return dot(x, W, self.operand)
         if self.record is not None:
             self.record[site] = x
-        return self.apply(self.data[site], x, W, self.operand)
+        g, k = self.where[site]
+        return self.apply(jax.tree.map(lambda a: a[k], self.data[g]), x, W, self.operand)
 
 
 def recording_linear(record: dict[str, Array], sites: Iterable[str]) -> SiteLinear:
     """A frozen linear that also stores the input of each of `sites` in `record`."""
-    return SiteLinear(dict.fromkeys(sites, ()), lambda _, x, W, op: dot(x, W, op), record)
+    layout = Groups.of(tuple(sites))
+    return SiteLinear({g: () for g in layout.names}, layout.index,
+                      lambda _, x, W, op: dot(x, W, op), record)
 
 
 class SiteComponents(eqx.Module):
-    """C rank-one components of one site's weight W [d_in, d_out]: component c is V[:, c] ⊗ U[c]."""
+    """C rank-one components of one site's weight W [d_in, d_out]: component c is V[:, c] ⊗ U[c].
+    In `Components`, a group's: V [n, d_in, C] and U [n, C, d_out], one per member."""
 
-    V: Float[Array, "d_in C"]
-    U: Float[Array, "C d_out"]
+    V: Float[Array, "*n d_in C"]
+    U: Float[Array, "*n C d_out"]
 
     @staticmethod
     def init(key: PRNGKeyArray, d_in: int, d_out: int, C: int) -> SiteComponents:
@@ -146,68 +248,139 @@ class SiteComponents(eqx.Module):
         return SiteComponents(V, U)
 
     @property
-    def weight(self) -> Float[Array, "d_in d_out"]:
+    def weight(self) -> Float[Array, "*n d_in d_out"]:
         return self.V @ self.U
 
 
 class Components(eqx.Module):
-    """All sites' components, keyed by site name (sites may differ in shape and C)."""
+    """All sites' components, stacked by group (`Groups`): `groups[g]` holds its members'
+    V and U on a leading axis. `sites` gives each site's own (slices of the stacks)."""
 
-    sites: dict[str, SiteComponents]
+    groups: dict[str, SiteComponents]
+    layout: Groups = eqx.field(static=True)
 
     @staticmethod
     def init(key: PRNGKeyArray, shapes: Mapping[str, tuple[int, int]],
-             C: Mapping[str, int]) -> Components:
-        keys = jax.random.split(key, len(C))
-        return Components({s: SiteComponents.init(k, *shapes[s], C[s])
-                           for k, s in zip(keys, C, strict=True)})
+             C: Mapping[str, int], layout: Groups | None = None) -> Components:
+        layout = layout or Groups.of(tuple(C), lambda s: (shapes[s], C[s]))
+        keys = dict(zip(C, jax.random.split(key, len(C)), strict=True))
+        return Components.of_sites({s: SiteComponents.init(keys[s], *shapes[s], C[s])
+                                    for s in C}, layout)
+
+    @staticmethod
+    def of_sites(sites: Mapping[str, SiteComponents], layout: Groups | None = None
+                 ) -> Components:
+        """Per-site components stacked into `layout`'s groups (by default every site alone
+        but for those that share a kind, shape and C)."""
+        layout = layout or Groups.of(tuple(sites), lambda s: (sites[s].V.shape,
+                                                              sites[s].U.shape))
+        return Components(layout.stack(sites), layout)
+
+    @property
+    def sites(self) -> dict[str, SiteComponents]:
+        return self.layout.unstack(self.groups)
+
+    @property
+    def site_C(self) -> dict[str, int]:
+        """Each site's number of components (read from shapes: abstract trees too)."""
+        C = {s: c.V.shape[-1] for g, c in self.groups.items() for s in self.layout.of_group(g)}
+        return {s: C[s] for s in self.layout.order}
 
 
 def with_tied(components: Components, tied: Mapping[str, str]) -> Components:
     """All sites' components: each follower site gets its leader's transpose (V=Uᵀ, U=Vᵀ),
     so gradients from both sites reach the one set of parameters. A follower already
     present is kept as it is: with a per-site tied update (`train.optimized_components`) it
-    is an input of its own, with its own gradient."""
-    sites = dict(components.sites)
+    is an input of its own, with its own gradient. Tied sites are groups of their own."""
+    groups, layout = dict(components.groups), components.layout
     for follower, leader in tied.items():
-        if leader in sites and follower not in sites:
-            lead = sites[leader]
-            sites[follower] = SiteComponents(lead.U.T, lead.V.T)
-    return Components(sites)
+        if leader in groups and follower not in groups:
+            lead = groups[leader]
+            groups[follower] = SiteComponents(jnp.swapaxes(lead.U, -1, -2),
+                                              jnp.swapaxes(lead.V, -1, -2))
+            layout = layout.with_group(follower, (follower,))
+    return Components(groups, layout)
 
 
 def fold_tied(updates: Components, tied: Mapping[str, str]) -> Components:
     """Updates (or gradients) per site → the owned sites': each follower's lands on its
     leader, transposed back. Without followers (a shared tied update) nothing changes."""
-    sites = {s: c for s, c in updates.sites.items() if s not in tied}
+    groups = {g: c for g, c in updates.groups.items() if g not in tied}
+    layout = updates.layout
     for follower, leader in tied.items():
-        if follower in updates.sites:
-            f, lead = updates.sites[follower], sites[leader]
-            sites[leader] = SiteComponents(lead.V + f.U.T, lead.U + f.V.T)
-    return Components(sites)
+        if follower in updates.groups:
+            f, lead = updates.groups[follower], groups[leader]
+            groups[leader] = SiteComponents(lead.V + jnp.swapaxes(f.U, -1, -2),
+                                            lead.U + jnp.swapaxes(f.V, -1, -2))
+            layout = layout.without(follower)
+    return Components(groups, layout)
 
 
 class SiteMask(NamedTuple):
-    """How one live site runs in one forward. Shapes lead with the site input's positions."""
+    """How one live site runs in one forward. Shapes lead with the site input's positions
+    (in a group's stacked masks, with the member axis before them)."""
 
     mask: Float[Array, "*pos C"]
     delta_mask: Float[Array, "*pos"] | None  # None: no delta channel
     routed: Bool[Array, "*pos"] | None  # None: routed everywhere
 
 
-def weight_deltas(weights: Mapping[str, Array], components: Components) -> dict[str, Array]:
-    """Δ = W − V@U per site, fp32 (faithfulness)."""
-    return {s: weights[s].astype(jnp.float32) - c.weight for s, c in components.sites.items()}
+def weight_stacks(weights: Mapping[str, Array], layout: Groups
+                  ) -> dict[str, tuple[Array, Array]]:
+    """Each group's weights as `faithfulness_into` reads them, from per-site `weights`: a
+    stack of the members' (a copy: for targets too small for it to matter)."""
+    return {g: (jnp.stack([weights[s] for s in ss]), jnp.arange(len(ss)))
+            for g, ss in layout.members}
+
+
+def faithfulness_into(stacks: Mapping[str, tuple[Array, Array]], components: Components,
+                      acc: Components, scale: float | Array) -> tuple[Array, int, Components]:
+    """Σ ‖W − V@U‖²_F over every site, the number of weights, and `acc` + scale · the sum's
+    gradient in each V and U. Each group's members one at a time under a loop that adds to
+    `acc` in place: one [d_in, d_out] delta alive, no gradient of its own beside `acc`
+    (autodiff of the same sum held a whole second set of component gradients). W is read in
+    place from `stacks[g]` = (a stack of weights, the row of each member)."""
+    total, count, out = jnp.zeros((), jnp.float32), 0, {}
+    for g, c in components.groups.items():
+        W, rows = stacks[g]
+
+        def body(k, carry, W=W, rows=rows, c=c):
+            sq, gV, gU = carry
+            w = jax.lax.dynamic_index_in_dim(W, rows[k], keepdims=False).astype(jnp.float32)
+            V, U = c.V[k], c.U[k]
+            d = w - V @ U  # d‖d‖²/dV = −2 d Uᵀ, d‖d‖²/dU = −2 Vᵀ d
+            gV = gV.at[k].add((-2 * scale) * (d @ U.T))
+            gU = gU.at[k].add((-2 * scale) * (V.T @ d))
+            return sq + jnp.sum(d * d), gV, gU
+
+        sq, gV, gU = jax.lax.fori_loop(0, c.V.shape[0], body,
+                                       (jnp.zeros((), jnp.float32), acc.groups[g].V,
+                                        acc.groups[g].U))
+        total, out[g] = total + sq, SiteComponents(gV, gU)
+        count += c.V.shape[0] * c.V.shape[1] * c.U.shape[2]
+    return total, count, Components(out, acc.layout)
 
 
 def masked_linear(components: Components, site_masks: Mapping[str, SiteMask]) -> LinearFn:
-    """The linear fn of a forward whose live sites are the keys of `site_masks`.
+    """The linear fn of a forward whose live sites are the keys of `site_masks` (`grouped`
+    for masks already stacked by group).
 
     A live site computes `((x @ V) * mask) @ U + (x @ Δ) * delta_mask` with Δ = W − V@U,
     and the frozen `x @ W` where it is not routed. Every other site stays on the frozen
     path, so it creates no [*, C] tensors and gives its V/U no gradient.
     """
-    return SiteLinear({s: (components.sites[s], m) for s, m in site_masks.items()}, _masked)
+    live = components.layout.live(site_masks)
+    return grouped(components, components.layout.stack(site_masks, live), live)
+
+
+def grouped(components: Components, masks: Mapping[str, SiteMask],
+            live: Mapping[str, tuple[int, ...]]) -> SiteLinear:
+    """`masked_linear` with each group's masks stacked over its live members `live[g]`."""
+    layout = components.layout
+    data = {g: (take(components.groups[g], ix, len(layout.of_group(g))), masks[g])
+            for g, ix in live.items()}
+    where = {layout.of_group(g)[i]: (g, k) for g, ix in live.items() for k, i in enumerate(ix)}
+    return SiteLinear(data, where, _masked)
 
 
 def _masked(data: tuple[SiteComponents, SiteMask], x: Array, W: Array, op: Any) -> Array:

@@ -30,7 +30,15 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
 from pdecomp.blocks import apply_rope, rms_norm, rope_inv_freq, rope_tables
-from pdecomp.components import LinearFn, SiteLinear, dot, einsum, frozen_linear
+from pdecomp.components import (
+    Groups,
+    LinearFn,
+    SiteLinear,
+    dot,
+    einsum,
+    frozen_linear,
+    take,
+)
 from pdecomp.config import LLAMA_ATTN as ATTN
 from pdecomp.config import LLAMA_MLP as MLP
 
@@ -87,13 +95,23 @@ SITE_LAYER_SAVES: dict[str, Callable | None] = {
 
 
 def _reads(linear: LinearFn, i: int) -> Any:
-    """What layer i's sites read from a `SiteLinear` (names, structure, shapes): layers
-    that read alike can share one scan. A plain linear fn: each layer its own."""
+    """What layer i's sites read from a `SiteLinear` (kinds, groups, the shapes of a member's
+    data): layers that read alike, each the next member of its groups, can share one scan. A
+    plain linear fn: each layer its own."""
     if not isinstance(linear, SiteLinear):
         return i
-    read = {n: linear.data[site_name(i, n)] for n in (*ATTN, *MLP)
-            if site_name(i, n) in linear.data}
-    return jax.tree.structure(read), [(x.shape, x.dtype) for x in jax.tree.leaves(read)]
+    read = {n: linear.where[site_name(i, n)][0] for n in (*ATTN, *MLP)
+            if site_name(i, n) in linear.where}
+    data = {n: linear.data[g] for n, g in read.items()}
+    return read, jax.tree.structure(data), [(x.shape[1:], x.dtype)
+                                            for x in jax.tree.leaves(data)]
+
+
+def _follows(linear: LinearFn, i: int, j: int) -> bool:
+    """Layer j's sites are the members right after layer i's in each of their groups."""
+    return all(linear.where[site_name(j, n)][1] == k + j - i
+               for n in (*ATTN, *MLP) if site_name(i, n) in linear.where
+               for k in [linear.where[site_name(i, n)][1]])
 
 
 class Llama(eqx.Module):
@@ -118,6 +136,16 @@ class Llama(eqx.Module):
         for i in range(self.n_layers):
             out |= {f"layers.{i}.self_attn.{n}": self.attn[n][i] for n in ATTN}
             out |= {f"layers.{i}.mlp.{n}": self.mlp[n][i] for n in MLP}
+        return out
+
+    def weight_stacks(self, layout: Groups) -> dict[str, tuple[Array, Array]]:
+        """Each group's weights where they are: (its kind's [L, d_in, d_out] stack, the layer
+        of each member), read in place by `components.faithfulness_into`."""
+        out = {}
+        for g, ss in layout.members:
+            name = ss[0].rsplit(".", 1)[-1]
+            out[g] = (self.attn[name] if name in ATTN else self.mlp[name],
+                      jnp.asarray([site_layer(s) for s in ss], jnp.int32))
         return out
 
     def layer(self, i: int | slice | Array) -> dict[str, Any]:
@@ -189,7 +217,8 @@ class Llama(eqx.Module):
             j = i + 1
             if i in hooked:
                 reads = _reads(linear, i)
-                while j < stop and j in hooked and _reads(linear, j) == reads:
+                while j < stop and j in hooked and _reads(linear, j) == reads \
+                        and _follows(linear, i, j):
                     j += 1
                 h = (self._scan_sites(h, i, j, linear, rope, streams, remat, saves) if j - i > 1 else
                      self._hooked(h, i, linear, rope, streams, operand))
@@ -223,14 +252,18 @@ class Llama(eqx.Module):
     def _scan_sites(self, h: Array, i: int, j: int, linear: SiteLinear,
                     rope: tuple[Array, Array], streams: dict[int, Array] | None,
                     remat: bool, saves: str) -> Array:
-        """Hooked layers [i, j), whose sites read data of one shape, under one scan: one
-        traced layer however many there are. Each site's data is stacked over the layers;
-        the layers' site inputs (when `linear` records) and entering streams come out as
-        the scan's outputs."""
-        names = [n for n in (*ATTN, *MLP) if site_name(i, n) in linear.data]
-        stacked = {n: jax.tree.map(lambda *a: jnp.stack(a),
-                                   *[linear.data[site_name(k, n)] for k in range(i, j)])
-                   for n in names}
+        """Hooked layers [i, j), whose sites are successive members of their groups, under
+        one scan: one traced layer however many there are. Each kind's data is its group's,
+        already stacked (sliced to these layers' members where the group has more); the
+        layers' site inputs (when `linear` records) and entering streams come out as the
+        scan's outputs."""
+        stacked = {}
+        for n in (*ATTN, *MLP):
+            if site_name(i, n) in linear.where:
+                g, k = linear.where[site_name(i, n)]
+                leaves = jax.tree.leaves(linear.data[g])
+                stacked[n] = linear.data[g] if not leaves else take(
+                    linear.data[g], tuple(range(k, k + j - i)), leaves[0].shape[0])
         recording = linear.record is not None
 
         def body(carry, xs):
@@ -238,7 +271,7 @@ class Llama(eqx.Module):
             seen: dict[str, Array] = {}
 
             def site_linear(name: str, x: Array, W: Array) -> Array:
-                if name not in data:
+                if name not in stacked:
                     return dot(x, W, linear.operand)
                 if recording:
                     seen[name] = x

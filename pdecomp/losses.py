@@ -12,13 +12,6 @@ from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, Float, Int
 
 
-def faithfulness(deltas: Mapping[str, Array]) -> Float[Array, ""]:
-    """Σ_sites ‖W − V@U‖²_F / Σ_sites numel(W), in fp32, from the deltas W − V@U
-    (`components.weight_deltas`)."""
-    sq = sum(jnp.sum(d.astype(jnp.float32) ** 2) for d in deltas.values())
-    return sq * per(sum(d.size for d in deltas.values()))
-
-
 def per(count: int) -> float:
     """1 / count as a Python float: a count in a traced computation is an int32 constant,
     and the sites' elements (an 8B's 13 MLP layers) or a batch's positions can pass 2^31."""
@@ -35,10 +28,12 @@ def p_at(step: Array | int, total_steps: int, p_start: float, p_end: float,
 
 
 def importance_sums(ci_upper: Mapping[str, Float[Array, "*pos C"]], p: Array | float,
-                    eps: float) -> dict[str, Float[Array, " C"]]:
+                    eps: float, members: bool = False) -> dict[str, Float[Array, " C"]]:
     """S_c = Σ_pos (ci + eps)^p per site: the only way imp-min sees the batch. Sums over
-    microbatches add up to the whole batch's."""
-    return {s: jnp.sum((ci.astype(jnp.float32) + eps) ** p, axis=tuple(range(ci.ndim - 1)))
+    microbatches add up to the whole batch's. `members`: each array is a group's, stacked
+    over its sites ([n, *pos, C] -> [n, C])."""
+    lead = int(members)
+    return {s: jnp.sum((ci.astype(jnp.float32) + eps) ** p, axis=tuple(range(lead, ci.ndim - 1)))
             for s, ci in ci_upper.items()}
 
 

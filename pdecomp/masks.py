@@ -17,7 +17,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from pdecomp import threefry
-from pdecomp.components import SiteMask
+from pdecomp.components import Groups, SiteMask, take
 
 Plan = tuple[tuple[str, ...], ...]
 
@@ -87,20 +87,15 @@ def sample_source(key: PRNGKeyArray, kind: str, shape: tuple[int, ...],
 def sample_routing(key: PRNGKeyArray, kind: str, live: Sequence[str], pos: tuple[int, ...],
                    at: Positions | None = None) -> dict[str, Bool[Array, "*pos"] | None]:
     """Which live sites each position routes through its masks (None: all of them)."""
-    return ROUTINGS[kind](key, tuple(live), pos, at)
+    routed = ROUTINGS[kind](key, len(live), pos, at)
+    return {s: None if routed is None else routed[..., i] for i, s in enumerate(live)}
 
 
-def _route_all(key: PRNGKeyArray, live: tuple[str, ...], pos: tuple[int, ...],
-               at: Positions | None) -> dict[str, Bool[Array, "*pos"] | None]:
-    return {s: None for s in live}
-
-
-def _route_uniform_k(key: PRNGKeyArray, live: tuple[str, ...], pos: tuple[int, ...],
-                     at: Positions | None) -> dict[str, Bool[Array, "*pos"] | None]:
+def _route_uniform_k(key: PRNGKeyArray, n: int, pos: tuple[int, ...], at: Positions | None
+                     ) -> Bool[Array, "*pos n"] | None:
     """Per position draw k ~ U{1..n}, route a uniform k-subset of the n live sites."""
-    if len(live) == 1:
-        return _route_all(key, live, pos, at)
-    n = len(live)
+    if n == 1:
+        return None
     k_key, perm_key = jax.random.split(key)
     at = at or Positions.whole(pos)
     k = 1 + jnp.minimum(_uniform(k_key, (*pos, 1), at)[..., 0] * n, n - 1).astype(jnp.int32)
@@ -109,20 +104,25 @@ def _route_uniform_k(key: PRNGKeyArray, live: tuple[str, ...], pos: tuple[int, .
     # Materialised once: fused into its consumers, XLA:CPU recomputed the draws above for
     # every channel each site's routing broadcasts to (C times the draws: in the SmolLM2
     # step, the transposes of the masks' backward did).
-    routed = jax.lax.optimization_barrier(ranks < k[..., None])
-    return {s: routed[..., i] for i, s in enumerate(live)}
+    return jax.lax.optimization_barrier(ranks < k[..., None])
 
 
-# The routings by name (`loss.recon.<term>.routing`): `all` routes every live site
-# everywhere.
-ROUTINGS = {"all": _route_all, "uniform_k": _route_uniform_k}
+# The routings by name (`loss.recon.<term>.routing`): (key, live sites, positions, where)
+# -> [*pos, n] whether each position routes each live site (None: all, everywhere). `all`
+# routes every live site everywhere.
+ROUTINGS: dict[str, Callable[[PRNGKeyArray, int, tuple[int, ...], Positions | None],
+                             Array | None]] = {
+    "all": lambda key, n, pos, at: None,
+    "uniform_k": _route_uniform_k,
+}
 
 
 def masks_from_sources(ci_lower: Mapping[str, Float[Array, "*pos C"]],
                        sources: Mapping[str, Float[Array, "*pos C1"]],
                        routed: Mapping[str, Bool[Array, "*pos"] | None],
                        delta: bool) -> dict[str, SiteMask]:
-    """mask = ci + (1 − ci)·source on the C channels; the delta mask is the raw source."""
+    """mask = ci + (1 − ci)·source on the C channels; the delta mask is the raw source. Per
+    site, or per group with every array stacked over the group's members."""
     out = {}
     for s, src in sources.items():
         ci = ci_lower[s]
@@ -136,19 +136,35 @@ def sample_forward_masks(key: PRNGKeyArray, live: Sequence[str], source: str, ro
                          ci_lower: Mapping[str, Array], delta: bool,
                          at: Positions | None = None) -> dict[str, SiteMask]:
     """Fresh sources and routing for one forward of a plan (`at`: where these positions sit
-    in the whole batch, for a microbatch)."""
+    in the whole batch, for a microbatch), per site: `group_masks` with the sites of one
+    shape stacked (the same draws)."""
+    live = tuple(live)
+    layout = Groups.of(live, lambda s: ci_lower[s].shape)
+    lower = layout.stack(dict(ci_lower), layout.live(live))
+    return layout.unstack(group_masks(key, live, layout, source, routing, lower, delta, at))
+
+
+def group_masks(key: PRNGKeyArray, live: Sequence[str], layout: Groups, source: str,
+                routing: str, ci_lower: Mapping[str, Array], delta: bool,
+                at: Positions | None = None) -> dict[str, SiteMask]:
+    """`sample_forward_masks` for sites stacked by group: `ci_lower[g]` is [n, *pos, C] over
+    g's live members (`layout.live(live)`), and so is each mask. Site i of `live` draws with
+    the i-th key whatever its group; a group's draws run under one vmap, traced (and
+    compiled) once however many members it has."""
+    live = tuple(live)
     r_key, *s_keys = jax.random.split(key, len(live) + 1)
-    shapes = {s: (*ci_lower[s].shape[:-1], ci_lower[s].shape[-1] + 1) for s in live}
-    sources: dict[str, Array] = {}
-    # Sites of one shape draw under one vmap: each its own key and the same values as
-    # alone, traced (and compiled) once rather than once per site.
-    for shape in dict.fromkeys(shapes.values()):
-        group = [(k, s) for k, s in zip(s_keys, live) if shapes[s] == shape]
-        drawn = jax.vmap(lambda k, shape=shape: sample_source(k, source, shape, at))(
-            jnp.stack([k for k, _ in group]))
-        sources |= {s: drawn[i] for i, (_, s) in enumerate(group)}
-    pos = ci_lower[live[0]].shape[:-1]
-    routed = sample_routing(r_key, routing, live, pos, at)
+    column = {s: i for i, s in enumerate(live)}
+    members = {g: [layout.of_group(g)[i] for i in ix] for g, ix in layout.live(live).items()}
+    sources = {}
+    for g, ss in members.items():
+        shape = (*ci_lower[g].shape[1:-1], ci_lower[g].shape[-1] + 1)
+        keys = jnp.stack([s_keys[column[s]] for s in ss])
+        sources[g] = jax.vmap(lambda k, shape=shape: sample_source(k, source, shape, at))(keys)
+    pos = next(iter(ci_lower.values())).shape[1:-1]
+    table = ROUTINGS[routing](r_key, len(live), pos, at)
+    routed = {g: None if table is None else jnp.moveaxis(
+        take(table, tuple(column[s] for s in ss), len(live), axis=-1), -1, 0)
+        for g, ss in members.items()}
     return masks_from_sources(ci_lower, sources, routed, delta)
 
 

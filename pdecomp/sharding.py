@@ -34,13 +34,16 @@ MODEL = "model"
 # adversary's sources are [1|B, (1|T,) C+1]: the delta channel makes their last dimension
 # indivisible, so they split on `data` only.
 LOGICAL: tuple[tuple[str, tuple[str, ...]], ...] = (
-    (r"\.V$", ("embed", "comp")),
+    # a group's components and CI heads, stacked over its members (the leading axis)
+    (r"\.V$", (None, "embed", "comp")),
+    (r"\.U$", (None, "comp", "embed")),
+    (r"\.w_out\['[^']*'\]$", (None, "ci_embed", "comp")),
+    (r"\.b_out\['[^']*'\]$", (None, "comp")),
+    (r"\.V$", ("embed", "comp")),  # one site's (`Components.sites`)
     (r"\.U$", ("comp", "embed")),
-    (r"\.w_out\[\d+\]$", ("ci_embed", "comp")),
-    # the global CI transformer's input projection (every site's inputs in), not a per-site
-    # CI function's (`.sites['...'].w_in`)
-    (r"[^\]]\.w_in$", ("ci_in", "ci_embed")),
-    (r"\.b_out\[\d+\]$", ("comp",)),
+    # the global CI transformer's input projection (every site's inputs in: each site's rows,
+    # stacked by group)
+    (r"\.w_in\['[^']*'\]$", (None, "ci_in", "ci_embed")),
 )
 
 
@@ -93,6 +96,10 @@ class Layout:
     def constrain_positions(self, x: Array) -> Array:
         """A [*pos, C] tensor: its first position axis on `data`, C on `model`."""
         return self.constrain(x, ("batch", *(None,) * (x.ndim - 2), "comp"))
+
+    def constrain_members(self, x: Array) -> Array:
+        """A group's [n, *pos, C], stacked over its members: as `constrain_positions`."""
+        return self.constrain(x, (None, "batch", *(None,) * (x.ndim - 3), "comp"))
 
 
 def make_layout(planned: MeshConfig, mesh: Mesh) -> Layout:

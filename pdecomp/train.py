@@ -16,9 +16,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
+from functools import partial, reduce
 from typing import NamedTuple
 
 import equinox as eqx
@@ -33,19 +33,21 @@ from pdecomp.adversary import Adversary, ascend
 from pdecomp.ci import CIFunction, ci_lower, ci_upper
 from pdecomp.components import (
     Components,
+    Groups,
+    faithfulness_into,
     fold_tied,
-    masked_linear,
+    grouped,
     recording_linear,
-    weight_deltas,
+    take,
     with_tied,
 )
 from pdecomp.config import LayersConfig, OptGroupConfig, OptimConfig, PGDConfig
 from pdecomp.masks import (
     Plan,
     Positions,
+    group_masks,
     masks_from_sources,
     pgd_source_shape,
-    sample_forward_masks,
 )
 from pdecomp.sharding import DEVICE, HOST, Layout, move
 
@@ -173,6 +175,32 @@ def site_shapes(target) -> dict[str, tuple[int, int]]:
     return {s: tuple(W.shape) for s, W in target.site_weights().items()}
 
 
+def site_groups(spec: StepSpec, shapes: Mapping[str, tuple[int, int]]) -> Groups:
+    """The state's groups: the sites of one kind, shape and C stacked over their layers; a
+    tied site (leader or follower) alone."""
+    C = spec.site_C
+    return Groups.of(spec.sites, lambda s: (shapes[s], C[s]),
+                     alone=[s for pair in spec.tied for s in pair])
+
+
+def faithfulness(tied: Mapping[str, str], target, stepped: Components, acc: Components,
+                 coeff: float) -> tuple[Array, Components]:
+    """Faithfulness, Σ ‖W − V@U‖² / Σ numel(W) over every site (tied followers as their
+    leaders' transposes), and `acc` (gradients shaped like `stepped`) + coeff · its
+    gradient, added in place (`components.faithfulness_into`); `target.weight_stacks`
+    gives the weights."""
+    full = with_tied(stepped, tied)
+    # A follower the optimizer does not step (a shared tied update) starts from zero and
+    # its gradient lands on its leader (fold_tied).
+    zeros = {g: jax.tree.map(jnp.zeros_like, c) for g, c in full.groups.items()
+             if g not in acc.groups}
+    grads = Components({**acc.groups, **zeros}, full.layout)
+    n = sum(c.V.shape[0] * c.V.shape[1] * c.U.shape[2] for c in full.groups.values())
+    sq, _, grads = faithfulness_into(target.weight_stacks(full.layout), full, grads,
+                                     coeff * losses.per(n))
+    return sq * losses.per(n), fold_tied(grads, {f: tied[f] for f in zeros})
+
+
 # How tied sites are updated, by name (`layers.tie_update`): (components, tie map) -> what
 # the components' optimizer steps. shared: the owned sites; per_site: every site,
 # followers as their leaders' transposes.
@@ -200,9 +228,10 @@ def init_state(key: PRNGKeyArray, spec: StepSpec, target,
     C, tied = spec.site_C, dict(spec.tied)
     shapes = site_shapes(target)
     k_comp, k_ci, k_run = jax.random.split(key, 3)
+    layout = site_groups(spec, shapes)
     own = {s: c for s, c in C.items() if s not in tied}  # followers own nothing
-    components = Components.init(k_comp, shapes, own)
-    ci_fn = CIFunction.init(k_ci, spec.ci, {s: shapes[s][0] for s in C}, C)
+    components = Components.init(k_comp, shapes, own, reduce(Groups.without, tied, layout))
+    ci_fn = CIFunction.init(k_ci, spec.ci, {s: shapes[s][0] for s in C}, C, layout)
     adversary = None
     if spec.pgd:
         k_run, k_adv = jax.random.split(k_run)
@@ -210,7 +239,7 @@ def init_state(key: PRNGKeyArray, spec: StepSpec, target,
         sources = {s: jax.random.uniform(k, pgd_source_shape(spec.pgd.scope, spec.positions,
                                                              c))
                    for k, (s, c) in zip(keys, C.items())}
-        adversary = adversary_lib.fresh(sources)
+        adversary = adversary_lib.fresh(layout.stack(sources))
     return TrainState(
         step=jnp.zeros((), jnp.int32), components=components, ci_fn=ci_fn,
         comp_opt=opts.components.init(optimized_components(spec, components)),
@@ -225,29 +254,24 @@ def faithfulness_warmup(spec: StepSpec, components: Components, target) -> Compo
     if o.faith_warmup_steps == 0:
         return components
     opt = optax.adamw(o.faith_warmup_lr, weight_decay=o.faith_warmup_weight_decay)
-    tied = dict(spec.tied)
-    sites = set(spec.sites)
-    weights = {s: W for s, W in target.site_weights().items() if s in sites}
 
-    def faith(comps, weights):
-        return losses.faithfulness(weight_deltas(weights, with_tied(comps, tied)))
-
-    # The weights are an argument, not a closure: a closed-over array becomes a constant in
+    # The target is an argument, not a closure: a closed-over array becomes a constant in
     # the program (a copy of the target's weights), and one split across processes cannot.
     @jax.jit
-    def run(components, weights):
+    def run(components, target):
         def body(_, carry):
             comps, opt_state = carry
             stepped = optimized_components(spec, comps)
-            updates, opt_state = opt.update(jax.grad(faith)(stepped, weights), opt_state,
-                                            stepped)
+            zero = jax.tree.map(jnp.zeros_like, stepped)
+            grads = faithfulness(dict(spec.tied), target, stepped, zero, 1.0)[1]
+            updates, opt_state = opt.update(grads, opt_state, stepped)
             return apply_component_updates(spec, comps, updates), opt_state
 
         init = opt.init(optimized_components(spec, components))
         comps, _ = jax.lax.fori_loop(0, o.faith_warmup_steps, body, (components, init))
         return comps
 
-    return run(components, weights)
+    return run(components, target)
 
 
 class Trainable(NamedTuple):
@@ -262,7 +286,7 @@ class Observed(NamedTuple):
     """What the clean forward of one (micro)batch gives every other part of the step."""
 
     resid: Array  # the residual entering the first site layer (LMs) or the input (toys)
-    site_inputs: dict[str, Array]
+    inputs: dict[str, Array]  # the site inputs, stacked by group ([n, *pos, d_in])
     streams: dict[int, Array]  # LMs: the residual entering each site layer
     recon_target: Array
 
@@ -283,6 +307,7 @@ class StepPlan:
     lr_pgd: optax.Schedule | None
     tied: dict[str, str]
     pin: Callable[[Array], Array]
+    pin_stack: Callable[[Array], Array]  # the same for a group's [n, *pos, C], stacked
     to_device: Callable
     to_host: Callable
 
@@ -291,6 +316,7 @@ class StepPlan:
                 optimizers: Optimizers | None = None) -> StepPlan:
         opts = optimizers or Optimizers.of(spec.optim)
         pin = layout.constrain_positions if layout is not None else (lambda x: x)
+        pin_stack = layout.constrain_members if layout is not None else (lambda x: x)
         if spec.offload_opt_state:
             if layout is None:
                 raise ValueError("memory.offload_opt_state needs the step's layout")
@@ -302,7 +328,7 @@ class StepPlan:
             spec, opts.components, opts.ci_fn, losses.DISTANCES[spec.distance],
             jnp.dtype(spec.compute_dtype), remat_policy(spec.remat, spec.remat_names),
             pgd_lr(spec.pgd, spec.total_steps) if spec.pgd else None, dict(spec.tied), pin,
-            to_device, to_host)
+            pin_stack, to_device, to_host)
 
 
 def make_train_step(spec: StepSpec, layout: Layout | None = None,
@@ -324,11 +350,7 @@ def step(plan: StepPlan, state: TrainState, target, batch: Array) -> tuple[Train
     key, step_key = jax.random.split(state.key)
     ps = Pass(plan, state, target, batch)
 
-    # Faithfulness reads the weights alone: its value and gradient once per step, apart
-    # from the microbatches' backward (the forwards need no W − V@U; `masked_linear`).
     stepped = optimized_components(spec, state.components)
-    faith, g_faith = jax.value_and_grad(lambda c: losses.faithfulness(
-        weight_deltas(ps.weights, with_tied(c, tied))))(stepped)
 
     # 2'. Imp-min's log term needs S_c over the whole batch: with microbatches, a first
     # pass sums them, and each microbatch's backward then takes dI/dS_c as a constant
@@ -352,10 +374,12 @@ def step(plan: StepPlan, state: TrainState, target, batch: Array) -> tuple[Train
     zero = jnp.zeros((), jnp.float32)
     aux = ({**{f"recon_{t.name}": zero for t in spec.recon}, **({"pgd": zero} if spec.pgd
                                                                 else {})},
-           {s: zero for s in spec.sites})
+           {g: jnp.zeros((len(ss),), jnp.float32) for g, ss in ps.layout.members})
     init = ps.zeros_like((params, aux))
     (g_comp, g_ci, g_src), (terms, l0) = ps.over_microbatches(accumulate, init)
-    g_comp = jax.tree.map(lambda a, b: a + spec.faith_coeff * b, g_comp, g_faith)
+    # Faithfulness reads the weights alone: its value, and its gradient added to the
+    # microbatches' in place, once per step (the forwards need no W − V@U; `grouped`).
+    faith, g_comp = faithfulness(tied, target, stepped, g_comp, spec.faith_coeff)
     # Materialised before the clip and the norm read them: at a batch of one, XLA:CPU fused
     # the whole of a toy's gradient into the norm's scalar reduction, a fusion LLVM did not
     # finish compiling in half an hour.
@@ -367,7 +391,7 @@ def step(plan: StepPlan, state: TrainState, target, batch: Array) -> tuple[Train
                       + (spec.pgd.coeff * terms["pgd"] if spec.pgd else 0.0))
     new = update(plan, state, stepped, (g_comp, g_ci, g_src), adversary, lr, key)
     metrics = {**{f"loss/{k}": v for k, v in terms.items()},
-               **{f"train/l0/{s}": v for s, v in l0.items()},
+               **{f"train/l0/{s}": v for s, v in ps.layout.unstack(l0).items()},
                "train/p": ps.p, "train/grad_norm/components": optax.tree.norm(g_comp)}
     return new, metrics
 
@@ -404,13 +428,15 @@ class Pass:
                                                 self.spec.remat_layers,
                                                 self.spec.site_layer_saves,
                                                 self.spec.matmul_dtype)
-        self.weights = target.site_weights()
+        # every site's group, followers of tied sites included (`with_tied`)
+        self.layout = with_tied(state.components, plan.tied).layout
+        self.every = self.layout.live(self.spec.sites)
         self.p = losses.p_at(state.step, self.spec.total_steps, *self.spec.p)
         # With one microbatch the clean forward runs once and every pass reads it.
         self.whole = self.observe(batch) if self.n_micro == 1 else None
         some = self.whole if self.whole is not None else jax.eval_shape(
             lambda: self.observe(self.microbatch(batch, 0)))
-        self.pos = next(iter(some.site_inputs.values())).shape[:-1]  # a microbatch's positions
+        self.pos = next(iter(some.inputs.values())).shape[1:-1]  # a microbatch's positions
         self.n_pos = math.prod(self.pos) * self.n_micro
         # A recon forward samples its masks inside the rematerialized function, so the
         # backward redraws them from their key instead of keeping them for every forward.
@@ -427,12 +453,15 @@ class Pass:
         streams: dict[int, Array] = {}
         clean = self.suffix(resid, recording_linear(recorded, self.spec.sites), streams=streams)
         return jax.lax.stop_gradient(Observed(
-            resid, {s: recorded[s] for s in self.spec.sites}, streams,
+            resid, self.layout.stack(recorded, self.every), streams,
             losses.recon_target(self.spec.distance, clean)))
 
-    def microbatch(self, x: Array, m: Array | int) -> Array:
-        """Microbatch m holds examples m, m + n, m + 2n, ...: every device keeps its rows."""
-        return x.reshape(x.shape[0] // self.n_micro, self.n_micro, *x.shape[1:])[:, m]
+    def microbatch(self, x: Array, m: Array | int, axis: int = 0) -> Array:
+        """Microbatch m holds examples m, m + n, m + 2n, ...: every device keeps its rows
+        (of `axis`, the examples' axis)."""
+        x = jnp.moveaxis(x, axis, 0)
+        x = x.reshape(x.shape[0] // self.n_micro, self.n_micro, *x.shape[1:])[:, m]
+        return jnp.moveaxis(x, 0, axis)
 
     def over_microbatches(self, body: Callable, carry, prepare: Callable = lambda o: o,
                           prepared=None):
@@ -451,48 +480,53 @@ class Pass:
         return jax.lax.scan(scan_body, carry, jnp.arange(n))[0]
 
     def source_rows(self, src: Array, m) -> Array:
-        """A per-example source's rows for microbatch m; shared ones as they are."""
-        return src if self.n_micro == 1 or src.shape[0] == 1 else self.microbatch(src, m)
+        """A group's per-example sources' rows for microbatch m; shared ones as they are."""
+        return src if self.n_micro == 1 or src.shape[1] == 1 else self.microbatch(src, m, 1)
 
-    def site_lower(self, ci, live, components) -> dict[str, Array]:
-        """ci_lower of the live sites: read from `ci` (a dict of every site's), or, when the
-        step streams its CI, recomputed from `ci` = (CI function, its features)."""
+    def group_lower(self, ci, live, components) -> dict[str, Array]:
+        """ci_lower of the live members of each group (`live`: group -> members), stacked:
+        read from `ci` (every member's, by group), or, when the step streams its CI,
+        recomputed from `ci` = (CI function, its features)."""
         if isinstance(ci, dict):
-            return {s: ci[s] for s in live}
+            return {g: take(ci[g], ix, len(self.layout.of_group(g))) for g, ix in live.items()}
         ci_fn, features = ci
-        return {s: ci_lower(self.plan.pin(v))
-                for s, v in ci_fn.logits_of(features, live, components).items()}
+        return {g: ci_lower(self.plan.pin_stack(v))
+                for g, v in ci_fn.logits_of(features, live, components).items()}
 
     def recon_distance(self, live, source, routing, components, ci, key, obs, at):
-        lower = self.site_lower(ci, live, components)
-        masks = sample_forward_masks(key, live, source, routing, lower, self.spec.delta, at)
-        masks = {s: m._replace(mask=self.plan.pin(m.mask)) for s, m in masks.items()}
-        out = self.suffix(obs.resid, masked_linear(components, masks),
-                          streams=obs.streams, live=tuple(masks))
+        at_groups = self.layout.live(live)
+        lower = self.group_lower(ci, at_groups, components)
+        masks = group_masks(key, live, self.layout, source, routing, lower, self.spec.delta,
+                            at)
+        masks = {g: m._replace(mask=self.plan.pin_stack(m.mask)) for g, m in masks.items()}
+        out = self.suffix(obs.resid, grouped(components, masks, at_groups),
+                          streams=obs.streams, live=live)
         return self.plan.distance(out, obs.recon_target)
 
     def pgd_distance(self, components, ci, sources, obs):
-        lower = self.site_lower(ci, tuple(sources), components)
-        masks = masks_from_sources(lower, sources, {s: None for s in sources},
+        lower = self.group_lower(ci, self.every, components)
+        masks = masks_from_sources(lower, sources, {g: None for g in sources},
                                    self.spec.delta)
-        out = self.suffix(obs.resid, masked_linear(components, masks),
-                          streams=obs.streams, live=tuple(masks))
+        out = self.suffix(obs.resid, grouped(components, masks, self.every),
+                          streams=obs.streams, live=self.spec.sites)
         return self.plan.distance(out, obs.recon_target)
 
-    def l0_of(self, lower: Array) -> Array:
-        threshold = self.spec.ci_threshold
-        return jnp.mean(jnp.sum(lower > threshold, axis=-1).astype(jnp.float32))
+    def l0_of(self, lower: Array, lead: int = 0) -> Array:
+        """The mean number of components over the threshold per position (per member of a
+        stack: `lead` leading member axes)."""
+        active = jnp.sum(lower > self.spec.ci_threshold, axis=-1).astype(jnp.float32)
+        return jnp.mean(active, axis=tuple(range(lead, active.ndim)))
 
     def site_sums(self, ci_fn, features, components) -> tuple[dict, dict]:
-        """Each site's imp-min sums S_c and L0, one site's logits at a time, gone once they
-        are taken (streamed: rematerialized, the backward recomputes them)."""
+        """Each group's imp-min sums S_c [n, C] and L0s [n], one site's logits at a time,
+        gone once they are taken (streamed: rematerialized, the backward recomputes them)."""
         def sums(logits):
             logits = self.plan.pin(logits)
             S = losses.importance_sums({"": ci_upper(logits)}, self.p, self.spec.eps)[""]
             return S, jax.lax.stop_gradient(self.l0_of(ci_lower(logits)))
 
-        out = ci_fn.per_site(features, self.spec.sites, components, sums)
-        return {s: v[0] for s, v in out.items()}, {s: v[1] for s, v in out.items()}
+        out = ci_fn.per_group(features, self.every, components, sums)
+        return {g: v[0] for g, v in out.items()}, {g: v[1] for g, v in out.items()}
 
     def add(self, acc, x):  # a running sum over microbatches (None: the first)
         return x if acc is None else jax.tree.map(jnp.add, acc, x)
@@ -508,16 +542,18 @@ def importance_over_batch(ps: Pass) -> tuple[Array, dict[str, Array]]:
     comps = jax.lax.stop_gradient(with_tied(state.components, ps.plan.tied))
 
     def sums(acc, obs, m, at):
+        features = state.ci_fn.features(obs.inputs, comps)
         if spec.stream_ci:  # one site's logits at a time
-            features = state.ci_fn.features(obs.site_inputs)
             S = ps.site_sums(state.ci_fn, features, comps)[0]
         else:
-            upper = {s: ci_upper(v) for s, v in state.ci_fn(obs.site_inputs, comps).items()}
-            S = losses.importance_sums(upper, ps.p, spec.eps)
+            upper = {g: ci_upper(v)
+                     for g, v in state.ci_fn.logits_of(features, ps.every, comps).items()}
+            S = losses.importance_sums(upper, ps.p, spec.eps, members=True)
         return jax.tree.map(jnp.add, acc, S)
 
-    S = ps.over_microbatches(sums, {s: jnp.zeros((c,), jnp.float32)
-                                    for s, c in spec.site_C.items()})
+    C = spec.site_C
+    S = ps.over_microbatches(sums, {g: jnp.zeros((len(ss), C[ss[0]]), jnp.float32)
+                                    for g, ss in ps.layout.members})
     return jax.value_and_grad(losses.importance_from_sums)(S, ps.n_pos, spec.beta)
 
 
@@ -531,9 +567,10 @@ def warmup_ascents(ps: Pass, lr: Array) -> Adversary:
     def detached(obs):
         if spec.stream_ci:
             return obs, (state.ci_fn, jax.lax.stop_gradient(
-                state.ci_fn.features(obs.site_inputs)))
+                state.ci_fn.features(obs.inputs, comps)))
+        features = state.ci_fn.features(obs.inputs, comps)
         return obs, jax.lax.stop_gradient(
-            {s: ci_lower(v) for s, v in state.ci_fn(obs.site_inputs, comps).items()})
+            {g: ci_lower(v) for g, v in state.ci_fn.logits_of(features, ps.every, comps).items()})
 
     prepared = detached(ps.whole) if n_micro == 1 else None
 
@@ -562,22 +599,23 @@ def loss_fn(ps: Pass, imp_grad: dict[str, Array] | None, step_key: Array, params
     # (optimized_components), with gradients of their own.
     components = with_tied(stepped_components, ps.plan.tied)
     # 2. Causal importances, and imp-min's sums and the L0s from them.
-    features = ci_fn.features(obs.site_inputs, spec.remat_layers)
+    features = ci_fn.features(obs.inputs, components, spec.remat_layers)
     if spec.stream_ci:
         ci = (ci_fn, features)
         S, l0 = ps.site_sums(ci_fn, features, components)
     else:
-        logits = {s: ps.plan.pin(v)
-                  for s, v in ci_fn.logits_of(features, spec.sites, components).items()}
-        ci = {s: ci_lower(v) for s, v in logits.items()}
-        S = losses.importance_sums({s: ci_upper(v) for s, v in logits.items()}, ps.p, spec.eps)
-        l0 = {s: ps.l0_of(v) for s, v in ci.items()}
+        logits = {g: ps.plan.pin_stack(v)
+                  for g, v in ci_fn.logits_of(features, ps.every, components).items()}
+        ci = {g: ci_lower(v) for g, v in logits.items()}
+        S = losses.importance_sums({g: ci_upper(v) for g, v in logits.items()}, ps.p, spec.eps,
+                                   members=True)
+        l0 = {g: ps.l0_of(v, lead=1) for g, v in ci.items()}
     # 4. Losses: this microbatch's share of the batch means.
     if imp_grad is None:
         imp = losses.importance_from_sums(S, ps.n_pos, spec.beta)
         terms = {"imp_min": imp}
     else:
-        imp = sum(jnp.sum(imp_grad[s] * S[s]) for s in S)
+        imp = sum(jnp.sum(imp_grad[g] * S[g]) for g in S)
         terms = {}
     total = spec.imp_coeff * imp
     term_keys = jax.random.split(step_key, max(len(spec.recon), 1))

@@ -324,7 +324,7 @@ def test_top_contexts_rank_saturated_ci_by_its_logit(monkeypatch) -> None:
 
     logits = jnp.array([[[1.5], [3.0], [0.5], [2.0], [-1.0]]])  # [rows 1, T 5, C 1]
     x = jnp.ones((1, 5, 2))
-    comps = Components({"s": SiteComponents(jnp.ones((2, 1)), jnp.ones((1, 3)))})
+    comps = Components.of_sites({"s": SiteComponents(jnp.ones((2, 1)), jnp.ones((1, 3)))})
     monkeypatch.setattr(metrics, "site_forward",
                         lambda *a: metrics.SiteForward(None, None, {"s": x}, {"s": logits}))
     step = jax.jit(harvest.step_fn(harvest.Options(0.1, top_k=2)))

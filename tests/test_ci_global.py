@@ -94,7 +94,8 @@ def test_gradient_reaches_every_parameter(net):
 
     grads = eqx.filter_jit(eqx.filter_grad(loss))(net)
     leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(grads, eqx.is_array))
-    assert len(leaves) == 11 + 2 * len(C)  # 11 shared, a logit head (w, b) per site
+    # 10 shared, an input projection and a logit head (w, b) per group (here, per site)
+    assert len(leaves) == 10 + 3 * len(C)
     for path, g in leaves:
         g = np.asarray(g)
         assert np.all(np.isfinite(g)), path
@@ -112,9 +113,11 @@ def test_blocks_are_residual(net):
                          (jnp.zeros_like(net.wo), jnp.zeros_like(net.w_down)))
     x = inputs()
     normed = [v * jax.lax.rsqrt(jnp.mean(v * v, -1, keepdims=True) + 1e-6) for v in x.values()]
-    h = jnp.concatenate(normed, -1) @ net.w_in + net.b_in
+    w_in = jnp.concatenate([net.layout.unstack(net.w_in)[s] for s in C])  # rows per site
+    h = jnp.concatenate(normed, -1) @ w_in + net.b_in
     h = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6) * net.final_norm
-    logits = h @ jnp.concatenate(net.w_out, -1) + jnp.concatenate(net.b_out)
+    w, b = net.layout.unstack(net.w_out), net.layout.unstack(net.b_out)  # per site
+    logits = h @ jnp.concatenate([w[s] for s in C], -1) + jnp.concatenate([b[s] for s in C])
     expected = dict(zip(C, jnp.split(logits, [4, 6], axis=-1), strict=True))
     assert max_diff(fwd(zeroed, x), expected) < 1e-5
 
@@ -168,7 +171,8 @@ def test_site_order_follows_mappings():
     b_out = jnp.arange(sum(C.values()), dtype=jnp.float32)
     split = [C["a"], C["a"] + C["b"]]
     net = eqx.tree_at(lambda n: (n.w_out, n.b_out), net,
-                      (tuple(jnp.split(w_out, split, 1)), tuple(jnp.split(b_out, split))))
+                      (net.layout.stack(dict(zip(net.sites, jnp.split(w_out, split, 1)))),
+                       net.layout.stack(dict(zip(net.sites, jnp.split(b_out, split))))))
     out = fwd(net, inputs())
     # site "a" owns columns 0..3 (bias only), "b" owns 4..5 (reads w_out), "c" owns 6..12
     np.testing.assert_allclose(out["a"], jnp.broadcast_to(b_out[:4], (B, T, 4)), atol=0)

@@ -11,11 +11,20 @@ import pytest
 
 from launcher.api import compose
 from pdecomp import losses
+from pdecomp.components import Components, Groups
 from pdecomp.resolve import resolve
 from pdecomp.shapes import abstract_run
-from pdecomp.train import make_train_step
+from pdecomp.train import faithfulness, make_train_step
 
 D, F = 4096, 14336  # Llama-3.1-8B's d_embed and d_mlp
+
+
+class _Stacks:
+    def __init__(self, stacks):
+        self.stacks = stacks
+
+    def weight_stacks(self, layout):
+        return self.stacks
 
 
 def eight_b_mlps(layers: range) -> dict[str, jax.ShapeDtypeStruct]:
@@ -28,12 +37,17 @@ def test_faithfulness_normaliser_past_2_31_is_exact():
     deltas = eight_b_mlps(range(32))  # the 96 sites of issue #33: 5,637,144,576 elements
     total = sum(int(np.prod(d.shape)) for d in deltas.values())
     assert total == 5_637_144_576 > 2 ** 31
-    out = jax.eval_shape(losses.faithfulness, deltas)  # raised OverflowError while tracing
+    layout = Groups.of(tuple(deltas))
+    comps = jax.eval_shape(lambda: Components.init(
+        jax.random.PRNGKey(0), {s: d.shape for s, d in deltas.items()}, dict.fromkeys(deltas, 8),
+        layout))
+    stacks = {g: (jax.ShapeDtypeStruct((32, *deltas[ss[0]].shape), jnp.bfloat16),
+                  jax.ShapeDtypeStruct((32,), jnp.int32)) for g, ss in layout.members}
+    out, _ = jax.eval_shape(lambda st, c: faithfulness({}, _Stacks(st), c, c, 1.0), stacks,
+                            comps)  # raised OverflowError while tracing
     assert out.shape == () and out.dtype == jnp.float32
     # The normaliser against exact arithmetic: f32(1 / total) to its last bit.
     assert np.float32(losses.per(total)) == np.float32(1 / total)
-    ones = {"w": jnp.ones((4, 8), jnp.float32)}
-    assert float(losses.faithfulness(ones)) == 1.0
 
 
 def test_importance_over_more_than_2_31_positions():

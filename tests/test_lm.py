@@ -17,7 +17,7 @@ import pytest
 from conftest import run_on_cpu_devices
 
 from pdecomp import losses, targets
-from pdecomp.adversary import ascend
+from pdecomp.adversary import ascend, fresh
 from pdecomp.checkpoint import Checkpointer
 from pdecomp.ci import ci_lower
 from pdecomp.components import masked_linear, recording_linear
@@ -261,7 +261,7 @@ def test_source_scopes(scope, shape):
     spec = resolve(cfg).step
     state = init_state(jax.random.PRNGKey(1), spec, target)
     for s in SITES:
-        src = state.adversary.sources[s]
+        src = state.components.layout.unstack(state.adversary.sources)[s]
         assert src.shape == shape and float(src.min()) >= 0 and float(src.max()) <= 1
 
 
@@ -272,7 +272,7 @@ def test_shared_source_gradient_is_the_average_over_what_it_is_shared_by(setup):
     cfg, target, state = setup
     d = pgd_distance(clean_forward(cfg, target, state), state.components)
 
-    shared = state.adversary.sources  # [1, T, C+1]
+    shared = state.components.layout.unstack(state.adversary.sources)  # [1, T, C+1] each
     expanded = {s: jnp.broadcast_to(v, (4, *v.shape[1:])) for s, v in shared.items()}
     g_shared, g_each = jax.grad(d)(shared), jax.grad(d)(expanded)
     for s in SITES:
@@ -286,7 +286,7 @@ def test_ascent_increases_the_distance_and_clamps(setup, optimizer):
     cfg, target, state = setup
     d = pgd_distance(clean_forward(cfg, target, state), state.components)
 
-    adv = state.adversary
+    adv = fresh(state.components.layout.unstack(state.adversary.sources))  # per site
     before = float(d(adv.sources))
     for _ in range(3):
         adv = ascend(adv, jax.grad(d)(adv.sources), 0.05, optimizer)

@@ -18,7 +18,7 @@ def _perfect(W: jnp.ndarray, C: int, scale: float = 1.0) -> Components:
     n, m = W.shape
     V = jnp.zeros((n, C)).at[jnp.arange(n), jnp.arange(n)].set(1.0)
     U = jnp.zeros((C, m)).at[:n].set(W * scale)
-    return Components({"linear1": SiteComponents(V, U), "linear2": SiteComponents(U.T, V.T)})
+    return Components.of_sites({"linear1": SiteComponents(V, U), "linear2": SiteComponents(U.T, V.T)})
 
 
 def test_perfect_tms_decomposition_scores_one():
@@ -43,7 +43,7 @@ def test_merged_features_lower_mmcs_and_live_mask_excludes_dead_components():
     # component 0 now carries features 0 and 1 together (feature 1's own component is dead)
     V = c1.V.at[1, 0].set(1.0).at[1, 1].set(0.0)
     U = c1.U.at[0].set(t.W[0] + t.W[1]).at[1].set(0.0)
-    merged = Components({"linear1": SiteComponents(V, U), "linear2": SiteComponents(U.T, V.T)})
+    merged = Components.of_sites({"linear1": SiteComponents(V, U), "linear2": SiteComponents(U.T, V.T)})
     alive = np.array([i in (0, 2, 3, 4) for i in range(20)])
     out = tms_ground_truth(t, merged, {"linear1": alive, "linear2": alive})
     assert out["mmcs/linear1"] < 0.99

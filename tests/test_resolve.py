@@ -86,18 +86,24 @@ def test_shard_weights_splits_the_weights_over_data_or_only_the_moments(weights:
 
     me = MeshConfig(shard_state=True, shard_weights=weights, model=2)
     layout = make_layout(me, AbstractMesh((4, 2), ("data", "model")))
-    spec = {path: tuple(leaf_sharding(layout, path, (64, 32)).spec) for path in (
-        ".components.sites['a'].V", ".comp_opt[0].mu.sites['a'].V", ".attn['q_proj']",
-        ".ci_fn.w_in", ".adversary.sources['a']")}
+    g = "['layers.*.mlp.up_proj']"  # a group: its leaves stacked over 3 layers
+    spec = {path: tuple(leaf_sharding(layout, path, shape).spec) for path, shape in (
+        (f".components.groups{g}.V", (3, 64, 32)), (f".comp_opt[0].mu.groups{g}.V", (3, 64, 32)),
+        (".attn['q_proj']", (64, 32)), (f".ci_fn.global_net.w_in{g}", (3, 64, 32)),
+        (f".adversary.sources{g}", (3, 1, 64, 33)))}
     data = "data" if weights else None
-    assert spec[".components.sites['a'].V"] == (data, "model")
-    assert spec[".attn['q_proj']"] == spec[".ci_fn.w_in"] == (data, None)
-    assert spec[".comp_opt[0].mu.sites['a'].V"] == ("data", "model")
-    assert spec[".adversary.sources['a']"] == ("data", None)
+    assert spec[f".components.groups{g}.V"] == (None, data, "model")
+    assert spec[".attn['q_proj']"] == (data, None)
+    assert spec[f".ci_fn.global_net.w_in{g}"] == (None, data, None)
+    assert spec[f".comp_opt[0].mu.groups{g}.V"] == (None, "data", "model")
+    assert spec[f".adversary.sources{g}"] == (None, None, "data", None)
     # mesh.rules.ci_in: the global CI transformer's input projection by rows over model (its
     # moments too), not a per-site CI function's
     split = make_layout(dc.replace(me, rules={**me.rules, "ci_in": "model"}),
                         AbstractMesh((4, 2), ("data", "model")))
-    assert tuple(leaf_sharding(split, ".ci_fn.w_in", (64, 32)).spec) == ("model", data)
-    assert tuple(leaf_sharding(split, ".ci_opt[0].mu.w_in", (64, 32)).spec) == ("model", "data")
-    assert tuple(leaf_sharding(split, ".ci_fn.sites['a'].w_in", (64, 32)).spec) == (data, None)
+    assert tuple(leaf_sharding(split, f".ci_fn.global_net.w_in{g}", (3, 64, 32)).spec) == \
+        (None, "model", data)
+    assert tuple(leaf_sharding(split, f".ci_opt[0].mu.global_net.w_in{g}", (3, 64, 32)).spec) \
+        == (None, "model", "data")
+    assert tuple(leaf_sharding(split, ".ci_fn.sites['a'].weights[0]", (3, 64, 32)).spec) == \
+        (None, data, None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses as dc
+from functools import reduce
 
 import jax
 import jax.numpy as jnp
@@ -14,18 +15,21 @@ from pdecomp import losses
 from pdecomp.ci import ALPHA, ci_lower, ci_upper
 from pdecomp.components import (
     Components,
+    Groups,
     SiteComponents,
     SiteMask,
     dot,
     einsum,
     frozen_linear,
     masked_linear,
-    weight_deltas,
+    weight_stacks,
+    with_tied,
 )
 from pdecomp.config import RunConfig, TMSConfig
 from pdecomp.masks import make_plan, masks_from_sources, sample_routing, sample_source
 from pdecomp.targets import init_target
 from pdecomp.toy_models import TMS
+from pdecomp.train import faithfulness
 
 pytestmark = pytest.mark.jax_versions  # the method's numbers: random bits, custom gradients, the step
 
@@ -193,10 +197,20 @@ def test_uniform_k_routes_between_one_and_all_live_sites():
                .values())
 
 
+class _Weights:
+    """A target reduced to its site weights (what faithfulness reads)."""
+
+    def __init__(self, weights):
+        self.weights = weights
+
+    def weight_stacks(self, layout):
+        return weight_stacks(self.weights, layout)
+
+
 def test_faithfulness_is_fp32_even_for_bf16_weights():
     comps = Components.init(jax.random.PRNGKey(1), {"s": (8, 8)}, {"s": 3})
     W = jax.random.normal(jax.random.PRNGKey(2), (8, 8)).astype(jnp.bfloat16)
-    f = losses.faithfulness(weight_deltas({"s": W}, comps))
+    f, _ = faithfulness({}, _Weights({"s": W}), comps, jax.tree.map(jnp.zeros_like, comps), 1.0)
     assert f.dtype == jnp.float32
     ref = np.mean((np.asarray(W, np.float32) - np.asarray(comps.sites["s"].weight)) ** 2)
     np.testing.assert_allclose(f, ref, rtol=1e-6)
@@ -206,8 +220,38 @@ def test_faithfulness_is_normalised_by_total_numel():
     comps = Components.init(jax.random.PRNGKey(0), {"a": (2, 2), "b": (4, 4)}, {"a": 1, "b": 1})
     zero = jax.tree.map(jnp.zeros_like, comps)  # V@U = 0, so ‖W‖² counts whole
     W = {"a": jnp.ones((2, 2)), "b": 2 * jnp.ones((4, 4))}
-    np.testing.assert_allclose(losses.faithfulness(weight_deltas(W, zero)),
+    np.testing.assert_allclose(faithfulness({}, _Weights(W), zero, zero, 1.0)[0],
                                (4 * 1 + 16 * 4) / (4 + 16))
+
+
+@pytest.mark.parametrize("tie_update", ["shared", "per_site"])
+def test_faithfulness_gradient_is_autodiffs_of_its_definition_added_in_place(tie_update):
+    """Sites of one kind stacked over three layers, a tied pair: the step's faithfulness
+    (its gradient written into the microbatches' by hand, member by member) against autodiff
+    of Σ ‖W − V@U‖² / Σ numel(W) over every site, followers as their leaders' transposes."""
+    shapes = {"layers.0.w": (5, 3), "layers.1.w": (5, 3), "layers.2.w": (5, 3),
+              "linear1": (4, 6), "linear2": (6, 4)}
+    C = {s: 2 for s in shapes}
+    tied = {"linear2": "linear1"}
+    layout = reduce(Groups.without, tied, Groups.of(tuple(shapes), alone=("linear1", "linear2")))
+    comps = Components.init(jax.random.PRNGKey(0), shapes, C, layout)
+    assert comps.groups["layers.*.w"].V.shape == (3, 5, 2)
+    W = {s: jax.random.normal(jax.random.PRNGKey(i + 1), sh) for i, (s, sh) in
+         enumerate(shapes.items())}
+    stepped = with_tied(comps, tied) if tie_update == "per_site" else comps
+    acc = jax.tree.map(lambda x: jnp.full_like(x, 0.5), stepped)
+
+    def definition(c):
+        sites = with_tied(c, tied).sites
+        return sum(jnp.sum((W[s] - v.V @ v.U) ** 2) for s, v in sites.items()) / sum(
+            W[s].size for s in sites)
+
+    f, got = faithfulness(tied, _Weights(W), stepped, acc, 3.0)
+    want_f, want_g = jax.value_and_grad(definition)(stepped)
+    np.testing.assert_allclose(f, want_f, rtol=1e-6)
+    for g, w, a in zip(jax.tree.leaves(got), jax.tree.leaves(want_g), jax.tree.leaves(acc),
+                       strict=True):
+        np.testing.assert_allclose(g, a + 3.0 * w, rtol=1e-5, atol=1e-6)
 
 
 def test_p_anneals_linearly_inside_its_window():
@@ -367,8 +411,8 @@ def test_tied_update_shared_sums_gradients_per_site_steps_each_site(tie_update):
     k = jax.random.split(jax.random.PRNGKey(2), 4)
     g1 = SiteComponents(jax.random.normal(k[0], (5, 4)), jax.random.normal(k[1], (4, 2)))
     g2 = SiteComponents(jax.random.normal(k[2], (2, 4)), jax.random.normal(k[3], (4, 5)))
-    grads = Components({"linear1": g1, "linear2": g2}) if tie_update == "per_site" else \
-        Components({"linear1": SiteComponents(g1.V + g2.U.T, g1.U + g2.V.T)})  # autodiff's sum
+    grads = Components.of_sites({"linear1": g1, "linear2": g2}) if tie_update == "per_site" else \
+        Components.of_sites({"linear1": SiteComponents(g1.V + g2.U.T, g1.U + g2.V.T)})  # autodiff's sum
     opt = optimizer(cfg.optim.components, cfg.optim.steps)
     updates, _ = opt.update(grads, opt.init(stepped), stepped)
     new = apply_component_updates(spec, lead, updates).sites["linear1"]
