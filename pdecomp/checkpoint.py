@@ -160,15 +160,24 @@ class Checkpointer:
                 log("no checkpoint can be read: training starts from step 0")
         return None, None
 
-    def mismatch(self, state_like: eqx.Module, step: int) -> str | None:
+    def mismatch(self, state_like: eqx.Module, step: int,
+                 fields: tuple[str, ...] = ()) -> str | None:
         """Why the checkpoint at `step` holds another run's state (other array names,
-        shapes or dtypes), in one line; None when it fits. Raises UnreadableCheckpoint when
-        its metadata cannot be read."""
+        shapes or dtypes), in one line; None when it fits. `fields`: only the state's
+        top-level fields named (all when empty). Raises UnreadableCheckpoint when its
+        metadata cannot be read."""
         try:
             saved = _by_name(self.manager.item_metadata(step))
         except Exception as e:  # noqa: BLE001 - whatever orbax raises on a damaged step
             raise UnreadableCheckpoint(f"{type(e).__name__}: {e}") from None
         wanted = _by_name(eqx.filter(state_like, is_array_like))
+        if fields:
+            saved = {k: v for k, v in saved.items() if k.split(".")[0] in fields}
+            wanted = {k: v for k, v in wanted.items() if k.split(".")[0] in fields}
+        if any(k.startswith("components.sites.") for k in saved):
+            return ("holds components per site, as pdecomp wrote them before it stacked the "
+                    "state by group (Components.groups): read it with the pdecomp that wrote "
+                    "it (its commit is in the run's run.json, under provenance)")
         for name in sorted(saved.keys() | wanted.keys()):
             there, here = saved.get(name), wanted.get(name)
             if there != here:

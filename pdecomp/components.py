@@ -214,7 +214,7 @@ class SiteLinear:
     data: Mapping[str, Any]  # group -> its members' data, stacked
     where: Mapping[str, tuple[str, int]]  # site -> (group, member)
     apply: Callable[[Any, Array, Array, Any], Array]  # (data, x, W, operand)
-    record: dict[str, Array] | None = None
+    record: Recorded | None = None
     operand: Any = None  # the matmuls' operand dtype (`dot`); the forward's `split` sets it
 
     def __call__(self, site: str, x: Array, W: Array) -> Array:
@@ -226,7 +226,47 @@ class SiteLinear:
         return self.apply(jax.tree.map(lambda a: a[k], self.data[g]), x, W, self.operand)
 
 
-def recording_linear(record: dict[str, Array], sites: Iterable[str]) -> SiteLinear:
+class Recorded(dict):
+    """What a forward records by key (a site's input, the residual entering a layer): one
+    value at a time (`rec[key] = x`), or a scanned run's at once (`put_run(keys, stacked)`:
+    no slice per layer traced); `rec[key]` reads either, and `stack(keys)` gives the run
+    whole when it holds exactly `keys`. A pytree, so a step carries it like a dict."""
+
+    def __init__(self, items: Mapping[Any, Array] = (), runs: Sequence[tuple[tuple, Array]]
+                 = ()):
+        super().__init__(items)
+        self.runs = list(runs)
+
+    def put_run(self, keys: tuple, stacked: Array) -> None:
+        self.runs.append((tuple(keys), stacked))
+
+    def __missing__(self, key: Any) -> Array:
+        for keys, x in self.runs:
+            if key in keys:
+                return x[keys.index(key)]
+        raise KeyError(key)
+
+    def __contains__(self, key: Any) -> bool:
+        return dict.__contains__(self, key) or any(key in keys for keys, _ in self.runs)
+
+    def __bool__(self) -> bool:
+        return dict.__len__(self) > 0 or bool(self.runs)
+
+    def stack(self, keys: Sequence[Any]) -> Array:
+        keys = tuple(keys)
+        for ks, x in self.runs:
+            if ks == keys:
+                return x
+        return jnp.stack([self[k] for k in keys])
+
+
+jax.tree_util.register_pytree_node(
+    Recorded,
+    lambda r: ((dict(r), [x for _, x in r.runs]), tuple(ks for ks, _ in r.runs)),
+    lambda run_keys, children: Recorded(children[0], list(zip(run_keys, children[1]))))
+
+
+def recording_linear(record: Recorded, sites: Iterable[str]) -> SiteLinear:
     """A frozen linear that also stores the input of each of `sites` in `record`."""
     layout = Groups.of(tuple(sites))
     return SiteLinear({g: () for g in layout.names}, layout.index,

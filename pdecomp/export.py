@@ -48,10 +48,25 @@ def component_tensors(loaded: LoadedRun) -> dict[str, np.ndarray]:
 
 
 def ci_fn_tensors(ci_fn: Any) -> dict[str, np.ndarray]:
-    """The CI function's arrays by pytree path (`.sites['layers.0.mlp.up_proj'].w_in`)."""
+    """The CI function's arrays by pytree path (`sites['layers.0.mlp.up_proj'].weights[0]`).
+    The global transformer's input projection and logit heads, which the state stacks by
+    group, as each site's in the site order (`global_net.sites`): `global_net.w_in` every
+    site's rows one after another, `global_net.w_out[i]` and `b_out[i]` site i's head."""
     leaves, _ = jax.tree_util.tree_flatten_with_path(eqx.filter(ci_fn, eqx.is_array))
-    return {jax.tree_util.keystr(path).lstrip("."): np.asarray(v, np.float32)
-            for path, v in leaves}
+    out = {jax.tree_util.keystr(path).lstrip("."): np.asarray(v, np.float32)
+           for path, v in leaves}
+    net = ci_fn.global_net
+    if net is None:
+        return out
+    out = {k: v for k, v in out.items()
+           if not k.startswith(("global_net.w_in[", "global_net.w_out[", "global_net.b_out["))}
+    w_in, w_out, b_out = (net.layout.unstack(x) for x in (net.w_in, net.w_out, net.b_out))
+    out["global_net.w_in"] = np.concatenate([np.asarray(w_in[s], np.float32)
+                                             for s in net.sites])
+    for i, s in enumerate(net.sites):
+        out[f"global_net.w_out[{i}]"] = np.asarray(w_out[s], np.float32)
+        out[f"global_net.b_out[{i}]"] = np.asarray(b_out[s], np.float32)
+    return out
 
 
 def manifest(loaded: LoadedRun, ci: dict[str, np.ndarray]) -> dict[str, Any]:

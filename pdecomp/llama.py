@@ -33,6 +33,7 @@ from pdecomp.blocks import apply_rope, rms_norm, rope_inv_freq, rope_tables
 from pdecomp.components import (
     Groups,
     LinearFn,
+    Recorded,
     SiteLinear,
     dot,
     einsum,
@@ -200,7 +201,7 @@ class Llama(eqx.Module):
         return self.embed[tokens]
 
     def run_layers(self, h: Array, start: int, stop: int, linear: LinearFn = frozen_linear,
-                   hooked: Sequence[int] = (), streams: dict[int, Array] | None = None,
+                   hooked: Sequence[int] = (), streams: Recorded | None = None,
                    remat: bool = False, saves: str = "linears", operand: Any = None
                    ) -> Array:
         """Layers [start, stop): runs of the layers not in `hooked` under one scan each
@@ -242,7 +243,7 @@ class Llama(eqx.Module):
         return h
 
     def _hooked(self, h: Array, i: int, linear: LinearFn, rope: tuple[Array, Array],
-                streams: dict[int, Array] | None, operand: Any) -> Array:
+                streams: Recorded | None, operand: Any) -> Array:
         """Layer i with its sites named `layers.i.<part>.<name>`."""
         if streams is not None:
             streams[i] = h
@@ -250,7 +251,7 @@ class Llama(eqx.Module):
                           operand)
 
     def _scan_sites(self, h: Array, i: int, j: int, linear: SiteLinear,
-                    rope: tuple[Array, Array], streams: dict[int, Array] | None,
+                    rope: tuple[Array, Array], streams: Recorded | None,
                     remat: bool, saves: str) -> Array:
         """Hooked layers [i, j), whose sites are successive members of their groups, under
         one scan: one traced layer however many there are. Each kind's data is its group's,
@@ -287,11 +288,10 @@ class Llama(eqx.Module):
         if remat:
             body = jax.checkpoint(body, policy=SITE_LAYER_SAVES[saves])
         h, (entering, seen) = jax.lax.scan(body, h, (self.layer(slice(i, j)), stacked))
-        for k in range(i, j):
-            if streams is not None:
-                streams[k] = entering[k - i]
-            if recording:
-                linear.record.update({site_name(k, n): x[k - i] for n, x in seen.items()})
+        if streams is not None:
+            streams.put_run(tuple(range(i, j)), entering)
+        for n, x in seen.items():
+            linear.record.put_run(tuple(site_name(k, n) for k in range(i, j)), x)
         return h
 
     def split(self, sites: Sequence[str], dtype: Any, remat_layers: bool = False,
@@ -318,7 +318,7 @@ class Llama(eqx.Module):
                                    operand=op)
 
         def suffix(h: Array, linear: LinearFn = frozen_linear,
-                   streams: dict[int, Array] | None = None,
+                   streams: Recorded | None = None,
                    live: Sequence[str] | None = None) -> Array:
             if isinstance(linear, SiteLinear):
                 linear = replace(linear, operand=op)

@@ -16,7 +16,13 @@ from jaxtyping import Array
 from pdecomp import losses
 from pdecomp.adversary import Adversary, ascend
 from pdecomp.ci import ci_lower
-from pdecomp.components import Components, SiteMask, masked_linear, recording_linear
+from pdecomp.components import (
+    Components,
+    Recorded,
+    SiteMask,
+    masked_linear,
+    recording_linear,
+)
 from pdecomp.config import EvalPGDConfig
 from pdecomp.masks import masks_from_sources, pgd_source_shape, sample_forward_masks
 
@@ -43,7 +49,7 @@ class SiteForward(NamedTuple):
 
 
 def site_forward(target, components: Components, ci_fn, x: Array) -> SiteForward:
-    record: dict[str, Array] = {}
+    record = Recorded()
     prefix, suffix = target.split(tuple(components.sites), jnp.float32)
     resid = prefix(x)
     suffix(resid, recording_linear(record, components.sites))
@@ -118,7 +124,7 @@ def lm_pgd_curve(target, components: Components, ci_fn, batches: Sequence[Array]
     def one(target, components, ci_fn, tokens, key):
         prefix, suffix = target.split(sites, dtype)
         resid = prefix(tokens)
-        record: dict[str, Array] = {}
+        record = Recorded()
         clean_lp = losses.recon_target("kl", suffix(resid, recording_linear(record, sites)))
         lower = {s: ci_lower(v) for s, v in ci_fn({s: record[s] for s in sites},
                                                   components).items()}
@@ -165,7 +171,7 @@ def mask_metrics_program(sites: tuple[str, ...], threshold: float, delta: bool, 
     def one(target, components, ci_fn, tokens, key):
         prefix, suffix = target.split(sites, dtype)
         resid = prefix(tokens)
-        record: dict[str, Array] = {}
+        record = Recorded()
         clean = suffix(resid, recording_linear(record, sites))
         logits = ci_fn({s: record[s] for s in sites}, components)
         lower = {s: ci_lower(v) for s, v in logits.items()}

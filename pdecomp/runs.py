@@ -123,6 +123,9 @@ def load_run(run_dir: str | Path, log: Callable[[str], None] = print,
     try:
         step = ckpt.latest_step()
         assert step is not None  # checkpoints_of found one
+        why = ckpt.mismatch(state_abs, step, () if whole_state else ("components", "ci_fn"))
+        if why:
+            raise RunDirError(f"{run_dir}: its checkpoint at step {step} {why}")
         if whole_state:
             state = ckpt.restore(state_abs, step)
             components, ci_fn = state.components, state.ci_fn

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from pdecomp import threefry
-from pdecomp.components import Groups, LinearFn, SiteLinear, frozen_linear, weight_stacks
+from pdecomp.components import LinearFn, SiteLinear, frozen_linear
 
 
 def _whole_forward(target, dtype: Any, matmul_dtype: Any) -> tuple[Callable, Callable]:
@@ -59,9 +59,6 @@ class TMS(eqx.Module):
         return {"linear1": self.W, **dict(zip(self._hidden_names(), self.hidden)),
                 "linear2": self.W.T}
 
-    def weight_stacks(self, layout: Groups) -> dict[str, tuple[Array, Array]]:
-        return weight_stacks(self.site_weights(), layout)
-
 
 class ResidMLP(eqx.Module):
     """Residual MLP: features embedded by a fixed W_E, ReLU MLP layers, read out by W_Eᵀ."""
@@ -91,9 +88,6 @@ class ResidMLP(eqx.Module):
             out[f"layers.{i}.mlp_in"] = self.W_in[i]
             out[f"layers.{i}.mlp_out"] = self.W_out[i]
         return out
-
-    def weight_stacks(self, layout: Groups) -> dict[str, tuple[Array, Array]]:
-        return weight_stacks(self.site_weights(), layout)
 
 
 def sample_features(key: PRNGKeyArray, n_features: int, prob: float, batch_size: int,

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -34,11 +35,13 @@ from pdecomp.ci import CIFunction, ci_lower, ci_upper
 from pdecomp.components import (
     Components,
     Groups,
+    Recorded,
     faithfulness_into,
     fold_tied,
     grouped,
     recording_linear,
     take,
+    weight_stacks,
     with_tied,
 )
 from pdecomp.config import LayersConfig, OptGroupConfig, OptimConfig, PGDConfig
@@ -187,8 +190,7 @@ def faithfulness(tied: Mapping[str, str], target, stepped: Components, acc: Comp
                  coeff: float) -> tuple[Array, Components]:
     """Faithfulness, Σ ‖W − V@U‖² / Σ numel(W) over every site (tied followers as their
     leaders' transposes), and `acc` (gradients shaped like `stepped`) + coeff · its
-    gradient, added in place (`components.faithfulness_into`); `target.weight_stacks`
-    gives the weights."""
+    gradient, added in place (`components.faithfulness_into`)."""
     full = with_tied(stepped, tied)
     # A follower the optimizer does not step (a shared tied update) starts from zero and
     # its gradient lands on its leader (fold_tied).
@@ -196,8 +198,11 @@ def faithfulness(tied: Mapping[str, str], target, stepped: Components, acc: Comp
              if g not in acc.groups}
     grads = Components({**acc.groups, **zeros}, full.layout)
     n = sum(c.V.shape[0] * c.V.shape[1] * c.U.shape[2] for c in full.groups.values())
-    sq, _, grads = faithfulness_into(target.weight_stacks(full.layout), full, grads,
-                                     coeff * losses.per(n))
+    # A target whose layers are stacked already says where each group's weights are (the
+    # Llama); another's are stacked here (`site_weights` is all a new kind needs).
+    stacks = (target.weight_stacks(full.layout) if hasattr(target, "weight_stacks")
+              else weight_stacks(target.site_weights(), full.layout))
+    sq, _, grads = faithfulness_into(stacks, full, grads, coeff * losses.per(n))
     return sq * losses.per(n), fold_tied(grads, {f: tied[f] for f in zeros})
 
 
@@ -287,7 +292,7 @@ class Observed(NamedTuple):
 
     resid: Array  # the residual entering the first site layer (LMs) or the input (toys)
     inputs: dict[str, Array]  # the site inputs, stacked by group ([n, *pos, d_in])
-    streams: dict[int, Array]  # LMs: the residual entering each site layer
+    streams: Recorded  # LMs: the residual entering each site layer
     recon_target: Array
 
 
@@ -391,9 +396,28 @@ def step(plan: StepPlan, state: TrainState, target, batch: Array) -> tuple[Train
                       + (spec.pgd.coeff * terms["pgd"] if spec.pgd else 0.0))
     new = update(plan, state, stepped, (g_comp, g_ci, g_src), adversary, lr, key)
     metrics = {**{f"loss/{k}": v for k, v in terms.items()},
-               **{f"train/l0/{s}": v for s, v in ps.layout.unstack(l0).items()},
+               "train/l0": site_order(ps.layout, spec.sites, l0),
                "train/p": ps.p, "train/grad_norm/components": optax.tree.norm(g_comp)}
     return new, metrics
+
+
+def site_order(layout: Groups, sites: Sequence[str], per_group: Mapping[str, Array]) -> Array:
+    """Per-group vectors [n] as one vector in the order of `sites`: a concatenation and one
+    gather, whatever the number of sites (`scalars` names its entries on the host)."""
+    groups = list(per_group)
+    start = dict(zip(groups, [0, *itertools.accumulate(per_group[g].shape[0]
+                                                        for g in groups[:-1])]))
+    at = [start[g] + k for g, k in (layout.index[s] for s in sites)]
+    return jnp.concatenate([per_group[g] for g in groups])[jnp.asarray(at)]
+
+
+def scalars(metrics: Mapping[str, Array], sites: Sequence[str]) -> dict[str, float]:
+    """A step's metrics as floats by name, its L0 vector as `train/l0/<site>` each."""
+    out = {k: float(v) for k, v in metrics.items() if k != "train/l0"}
+    if "train/l0" in metrics:
+        out |= {f"train/l0/{s}": float(v) for s, v in zip(sites, metrics["train/l0"],
+                                                           strict=True)}
+    return out
 
 
 def update(plan: StepPlan, state: TrainState, stepped: Components,
@@ -449,11 +473,12 @@ class Pass:
         """Outside every gradient graph: the residual start, then the clean forward, which
         gives the recon target and the CI function's inputs."""
         resid = jax.lax.stop_gradient(self.prefix(batch))
-        recorded: dict[str, Array] = {}
-        streams: dict[int, Array] = {}
+        recorded, streams = Recorded(), Recorded()
         clean = self.suffix(resid, recording_linear(recorded, self.spec.sites), streams=streams)
+        # each group's inputs whole, as a scan over its layers recorded them
+        inputs = {g: recorded.stack(self.layout.of_group(g)) for g in self.every}
         return jax.lax.stop_gradient(Observed(
-            resid, self.layout.stack(recorded, self.every), streams,
+            resid, inputs, streams,
             losses.recon_target(self.spec.distance, clean)))
 
     def microbatch(self, x: Array, m: Array | int, axis: int = 0) -> Array:

@@ -22,7 +22,7 @@ from pdecomp.checkpoint import Checkpointer
 from pdecomp.gating import Gated, calibrate, measured_memory
 from pdecomp.hooks import Hooks
 from pdecomp.rundir import write_json
-from pdecomp.train import TrainState, faithfulness_warmup, init_state
+from pdecomp.train import TrainState, faithfulness_warmup, init_state, scalars
 from pdecomp.units import GiB
 
 
@@ -127,7 +127,7 @@ class MetricsLog:
 
     def record(self, g: Gated, done: int, m: dict[str, Array], ckpt: Checkpointer) -> None:
         """Step `done`'s metrics with its speed and memory; NonFiniteLoss on a NaN or inf."""
-        last = {k: float(v) for k, v in m.items()}
+        last = scalars(m, g.run.step.sites)
         if not all(math.isfinite(v) for v in last.values()):
             ckpt.wait()  # a save in flight counts once it is complete
             saved = ckpt.steps_newest_first()

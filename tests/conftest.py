@@ -168,7 +168,7 @@ def train_on_all_devices(cfg: Any, target_seed: int, state_seed: int, batches: l
 
     from pdecomp import targets
     from pdecomp.resolve import resolve
-    from pdecomp.train import init_state, make_train_step
+    from pdecomp.train import init_state, make_train_step, scalars
 
     mesh = Mesh(np.array(jax.devices()), ("data",))
     rep, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
@@ -181,7 +181,7 @@ def train_on_all_devices(cfg: Any, target_seed: int, state_seed: int, batches: l
         state, m = step(state, target, jax.device_put(batch, shard))
         # More simulated devices than cores: waiting on each step keeps collectives fed.
         jax.block_until_ready(m)
-        history.append({k: float(v) for k, v in m.items()})
+        history.append(scalars(m, spec.sites))
     return state, history
 
 

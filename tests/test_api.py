@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from launcher import api
 from pdecomp import metrics, toys
+from pdecomp.checkpoint import Checkpointer
 from pdecomp.components import masked_linear
 from pdecomp.evaluation import evaluate
 from pdecomp.run import Hooks
@@ -48,6 +49,17 @@ def test_compose_run_load_gives_the_runs_results(cache, tmp_path: Path) -> None:
         return float(jnp.mean((out - run.target(x)) ** 2))
 
     assert error("rounded") < 0.5 * error("zero"), (error("rounded"), error("zero"))
+
+    # A checkpoint laid out as before the state was stacked by group (components per site)
+    # is refused in one line, whether the whole state is read or an analysis's share.
+    per_site = {"components": {"sites": {s: {"V": c.V, "U": c.U}
+                                         for s, c in run.components.sites.items()}}}
+    ckpt = Checkpointer(tmp_path / "run" / "checkpoints")
+    ckpt.save(300, per_site)
+    ckpt.close()
+    for whole in (True, False):
+        with pytest.raises(api.RunDirError, match="at step 300 holds components per site"):
+            api.load_run(tmp_path / "run", whole_state=whole)
 
 
 @pytest.mark.parametrize("overrides", [["model=nope"], ["layers.C=-1"], ["nokey=3"],

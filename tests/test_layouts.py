@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent("""
     from pdecomp import targets
     from pdecomp.sharding import OFFLOADED, Layout, place, shardings
     from pdecomp.resolve import resolve
-    from pdecomp.train import init_state, make_train_step
+    from pdecomp.train import init_state, make_train_step, scalars
     from test_lm import tiny_cfg, tokens
     from test_microbatches import LINEAR_ADAM
 
@@ -46,7 +46,7 @@ SCRIPT = textwrap.dedent("""
         spec = resolve(cfg).step
         if layout is None:
             new, m = jax.jit(make_train_step(spec))(state, target, batch)
-            return {"metrics": {k: float(v) for k, v in m.items()}, "state": leaves(new)}
+            return {"metrics": scalars(m, spec.sites), "state": leaves(new)}
         offload = OFFLOADED if cfg.memory.offload_opt_state else ()
         s_abs, t_abs = place(state, layout, offload), place(target, layout)
         specs = {str(x.sharding.spec) for x in jax.tree.leaves(s_abs)}
@@ -55,7 +55,7 @@ SCRIPT = textwrap.dedent("""
         new, m = step(jax.device_put(state, shardings(s_abs)),
                       jax.device_put(target, shardings(t_abs)),
                       jax.device_put(batch, NamedSharding(layout.mesh, P("data"))))
-        return {"metrics": {k: float(v) for k, v in m.items()}, "state": leaves(new),
+        return {"metrics": scalars(m, spec.sites), "state": leaves(new),
                 "specs": sorted(specs),
                 "moments_in": sorted({x.sharding.memory_kind for x in
                                       jax.tree.leaves((new.comp_opt, new.ci_opt))}),

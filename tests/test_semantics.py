@@ -22,7 +22,6 @@ from pdecomp.components import (
     einsum,
     frozen_linear,
     masked_linear,
-    weight_stacks,
     with_tied,
 )
 from pdecomp.config import RunConfig, TMSConfig
@@ -203,8 +202,8 @@ class _Weights:
     def __init__(self, weights):
         self.weights = weights
 
-    def weight_stacks(self, layout):
-        return weight_stacks(self.weights, layout)
+    def site_weights(self):
+        return self.weights
 
 
 def test_faithfulness_is_fp32_even_for_bf16_weights():
