@@ -11,6 +11,7 @@ and run them under one `lax.scan` instead of tracing each layer's sites anew.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -373,6 +374,22 @@ def weight_stacks(weights: Mapping[str, Array], layout: Groups
             for g, ss in layout.members}
 
 
+class MaskParts(NamedTuple):
+    """What a live site's mask is made of (`mask_of`): its CI, its source (broadcasting
+    against it, with the delta channel last) and where it is routed."""
+
+    ci: Float[Array, "*pos C"]
+    source: Float[Array, "*pos C1"]
+    routed: Bool[Array, "*pos"] | None
+
+
+def mask_of(parts: MaskParts, delta: bool) -> SiteMask:
+    """mask = ci + (1 − ci)·source on the C channels; the delta mask is the raw source."""
+    ci, src, routed = parts
+    C = ci.shape[-1]
+    return SiteMask(ci + (1.0 - ci) * src[..., :C], src[..., C] if delta else None, routed)
+
+
 def faithfulness_into(stacks: Mapping[str, tuple[Array, Array]], components: Components,
                       acc: Components, scale: float | Array) -> tuple[Array, int, Components]:
     """Σ ‖W − V@U‖²_F over every site, the number of weights, and `acc` + scale · the sum's
@@ -421,6 +438,20 @@ def grouped(components: Components, masks: Mapping[str, SiteMask],
             for g, ix in live.items()}
     where = {layout.of_group(g)[i]: (g, k) for g, ix in live.items() for k, i in enumerate(ix)}
     return SiteLinear(data, where, _masked)
+
+
+def from_parts(components: Components, parts: Mapping[str, MaskParts],
+               live: Mapping[str, tuple[int, ...]], delta: bool) -> SiteLinear:
+    """`grouped` with each site's mask made where the site runs (inside a scanned layer) from
+    its parts, stacked by group: a group's [n, *pos, C] masks never exist whole."""
+    linear = grouped(components, parts, live)
+    return dataclasses.replace(linear, apply=functools.partial(_masked_from, delta=delta))
+
+
+def _masked_from(data: tuple[SiteComponents, MaskParts], x: Array, W: Array, op: Any,
+                 delta: bool) -> Array:
+    comp, parts = data
+    return _masked((comp, mask_of(parts, delta)), x, W, op)
 
 
 def _masked(data: tuple[SiteComponents, SiteMask], x: Array, W: Array, op: Any) -> Array:

@@ -17,7 +17,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from pdecomp import threefry
-from pdecomp.components import Groups, SiteMask, take
+from pdecomp.components import Groups, MaskParts, SiteMask, mask_of, take
 
 Plan = tuple[tuple[str, ...], ...]
 
@@ -123,13 +123,8 @@ def masks_from_sources(ci_lower: Mapping[str, Float[Array, "*pos C"]],
                        delta: bool) -> dict[str, SiteMask]:
     """mask = ci + (1 − ci)·source on the C channels; the delta mask is the raw source. Per
     site, or per group with every array stacked over the group's members."""
-    out = {}
-    for s, src in sources.items():
-        ci = ci_lower[s]
-        C = ci.shape[-1]
-        mask = ci + (1.0 - ci) * src[..., :C]
-        out[s] = SiteMask(mask, src[..., C] if delta else None, routed[s])
-    return out
+    return {s: mask_of(MaskParts(ci_lower[s], src, routed[s]), delta)
+            for s, src in sources.items()}
 
 
 def sample_forward_masks(key: PRNGKeyArray, live: Sequence[str], source: str, routing: str,
@@ -148,9 +143,18 @@ def group_masks(key: PRNGKeyArray, live: Sequence[str], layout: Groups, source: 
                 routing: str, ci_lower: Mapping[str, Array], delta: bool,
                 at: Positions | None = None) -> dict[str, SiteMask]:
     """`sample_forward_masks` for sites stacked by group: `ci_lower[g]` is [n, *pos, C] over
-    g's live members (`layout.live(live)`), and so is each mask. Site i of `live` draws with
-    the i-th key whatever its group; a group's draws run under one vmap, traced (and
-    compiled) once however many members it has."""
+    g's live members (`layout.live(live)`), and so is each mask."""
+    parts = group_parts(key, live, layout, source, routing, ci_lower, at)
+    return {g: mask_of(p, delta) for g, p in parts.items()}
+
+
+def group_parts(key: PRNGKeyArray, live: Sequence[str], layout: Groups, source: str,
+                routing: str, ci_lower: Mapping[str, Array], at: Positions | None = None
+                ) -> dict[str, MaskParts]:
+    """A forward's fresh sources and routing, each group's stacked over its live members,
+    beside their CI: its masks' parts (`components.mask_of`). Site i of `live` draws with the
+    i-th key whatever its group; a group's draws run under one vmap, traced (and compiled)
+    once however many members it has."""
     live = tuple(live)
     r_key, *s_keys = jax.random.split(key, len(live) + 1)
     column = {s: i for i, s in enumerate(live)}
@@ -162,10 +166,9 @@ def group_masks(key: PRNGKeyArray, live: Sequence[str], layout: Groups, source: 
         sources[g] = jax.vmap(lambda k, shape=shape: sample_source(k, source, shape, at))(keys)
     pos = next(iter(ci_lower.values())).shape[1:-1]
     table = ROUTINGS[routing](r_key, len(live), pos, at)
-    routed = {g: None if table is None else jnp.moveaxis(
-        take(table, tuple(column[s] for s in ss), len(live), axis=-1), -1, 0)
+    return {g: MaskParts(ci_lower[g], sources[g], None if table is None else jnp.moveaxis(
+        take(table, tuple(column[s] for s in ss), len(live), axis=-1), -1, 0))
         for g, ss in members.items()}
-    return masks_from_sources(ci_lower, sources, routed, delta)
 
 
 # An adversary's source shapes by scope (`loss.pgd.scope`, `loss.eval_pgd.scope`): (positions, C) -> shape.

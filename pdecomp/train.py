@@ -35,10 +35,11 @@ from pdecomp.ci import CIFunction, ci_lower, ci_upper
 from pdecomp.components import (
     Components,
     Groups,
+    MaskParts,
     Recorded,
     faithfulness_into,
     fold_tied,
-    grouped,
+    from_parts,
     recording_linear,
     take,
     weight_stacks,
@@ -48,8 +49,7 @@ from pdecomp.config import LayersConfig, OptGroupConfig, OptimConfig, PGDConfig
 from pdecomp.masks import (
     Plan,
     Positions,
-    group_masks,
-    masks_from_sources,
+    group_parts,
     pgd_source_shape,
 )
 from pdecomp.sharding import DEVICE, HOST, Layout, move
@@ -521,18 +521,15 @@ class Pass:
     def recon_distance(self, live, source, routing, components, ci, key, obs, at):
         at_groups = self.layout.live(live)
         lower = self.group_lower(ci, at_groups, components)
-        masks = group_masks(key, live, self.layout, source, routing, lower, self.spec.delta,
-                            at)
-        masks = {g: m._replace(mask=self.plan.pin_stack(m.mask)) for g, m in masks.items()}
-        out = self.suffix(obs.resid, grouped(components, masks, at_groups),
+        parts = group_parts(key, live, self.layout, source, routing, lower, at)
+        out = self.suffix(obs.resid, from_parts(components, parts, at_groups, self.spec.delta),
                           streams=obs.streams, live=live)
         return self.plan.distance(out, obs.recon_target)
 
     def pgd_distance(self, components, ci, sources, obs):
         lower = self.group_lower(ci, self.every, components)
-        masks = masks_from_sources(lower, sources, {g: None for g in sources},
-                                   self.spec.delta)
-        out = self.suffix(obs.resid, grouped(components, masks, self.every),
+        parts = {g: MaskParts(lower[g], src, None) for g, src in sources.items()}
+        out = self.suffix(obs.resid, from_parts(components, parts, self.every, self.spec.delta),
                           streams=obs.streams, live=self.spec.sites)
         return self.plan.distance(out, obs.recon_target)
 
