@@ -174,10 +174,8 @@ class Checkpointer:
         if fields:
             saved = {k: v for k, v in saved.items() if k.split(".")[0] in fields}
             wanted = {k: v for k, v in wanted.items() if k.split(".")[0] in fields}
-        if any(k.startswith("components.sites.") for k in saved):
-            return ("holds components per site, as pdecomp wrote them before it stacked the "
-                    "state by group (Components.groups): read it with the pdecomp that wrote "
-                    "it (its commit is in the run's run.json, under provenance)")
+        if why := _older_layout(saved):
+            return why
         for name in sorted(saved.keys() | wanted.keys()):
             there, here = saved.get(name), wanted.get(name)
             if there != here:
@@ -187,6 +185,15 @@ class Checkpointer:
                         f"{show(here)} in this run; resume with that run's settings or choose "
                         "a new directory")
         return None
+
+    def older_layout(self, step: int) -> str | None:
+        """Why the checkpoint at `step` cannot be read by this pdecomp whatever the run's
+        settings (a layout of an earlier version), in one line; None when it can, or when its
+        metadata cannot be read (the read that follows says why)."""
+        try:
+            return _older_layout(_by_name(self.manager.item_metadata(step)))
+        except Exception:  # noqa: BLE001 - a damaged step is reported where it is read
+            return None
 
     def wait(self) -> None:
         """Until the save in flight is complete on disk; CheckpointWriteFailed if it failed."""
@@ -272,6 +279,14 @@ class _FailedWriteRecords(logging.Filter):
         if any(storage_error(e) for e in raised):
             return False
         return not re.search(r"\[Errno \d+\]|os_error_code=", str(record.msg))
+
+
+def _older_layout(saved: dict[str, Any]) -> str | None:
+    if any(k.startswith("components.sites.") for k in saved):
+        return ("holds components per site, as pdecomp wrote them before it stacked the state "
+                "by group (Components.groups): read it with the pdecomp that wrote it (its "
+                "commit is in the run's run.json, under provenance)")
+    return None
 
 
 def _by_name(tree) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -94,8 +94,13 @@ def checkpoints_of(run_dir: Path) -> Path:
     if not ckpt_dir.is_dir():  # not made here: opening a Checkpointer would create it
         raise RunDirError(f"{run_dir}: no checkpoints/ (a gate-only run, or one that "
                           "stopped before its first checkpoint)")
-    if not complete_steps(ckpt_dir):
+    if not (steps := complete_steps(ckpt_dir)):
         raise RunDirError(f"{run_dir}: no checkpoint in {ckpt_dir}")
+    ckpt = Checkpointer(ckpt_dir)
+    why = ckpt.older_layout(max(steps))
+    ckpt.close()
+    if why:
+        raise RunDirError(f"{run_dir}: its checkpoint at step {max(steps)} {why}")
     return ckpt_dir
 
 

@@ -103,10 +103,10 @@ def _step_equations(first: int, per_chunk: int) -> int:
 
 
 def test_the_step_does_not_grow_with_the_layers():
-    """The whole 8B's step (every matrix of each layer, C per kind) over the last 8 and the
-    last 24 layers' sites (56 and 168), in four chunks each: the same program, equation for
+    """The whole 8B's step (every matrix of each layer, C per kind) over the last 4 and the
+    last 12 layers' sites (28 and 84), in two chunks each: the same program, equation for
     equation. Each kind's
     sites are one group, so their CI heads, masks, losses and optimizer moments are traced
     once per kind, and a chunk's layers run under one scanned layer: what keeps the 224-site
     gate's compile in minutes."""
-    assert _step_equations(24, 14) == _step_equations(8, 42)
+    assert _step_equations(28, 14) == _step_equations(20, 42)
