@@ -391,13 +391,13 @@ def mask_of(parts: MaskParts, delta: bool) -> SiteMask:
 
 
 def faithfulness_into(stacks: Mapping[str, tuple[Array, Array]], components: Components,
-                      acc: Components, scale: float | Array) -> tuple[Array, int, Components]:
-    """Σ ‖W − V@U‖²_F over every site, the number of weights, and `acc` + scale · the sum's
+                      acc: Components, scale: float | Array) -> tuple[Array, Components]:
+    """Σ ‖W − V@U‖²_F over every site, and `acc` + scale · the sum's
     gradient in each V and U. Each group's members one at a time under a loop that adds to
     `acc` in place: one [d_in, d_out] delta alive, no gradient of its own beside `acc`
     (autodiff of the same sum held a whole second set of component gradients). W is read in
     place from `stacks[g]` = (a stack of weights, the row of each member)."""
-    total, count, out = jnp.zeros((), jnp.float32), 0, {}
+    total, out = jnp.zeros((), jnp.float32), {}
     for g, c in components.groups.items():
         W, rows = stacks[g]
 
@@ -414,8 +414,7 @@ def faithfulness_into(stacks: Mapping[str, tuple[Array, Array]], components: Com
                                        (jnp.zeros((), jnp.float32), acc.groups[g].V,
                                         acc.groups[g].U))
         total, out[g] = total + sq, SiteComponents(gV, gU)
-        count += c.V.shape[0] * c.V.shape[1] * c.U.shape[2]
-    return total, count, Components(out, acc.layout)
+    return total, Components(out, acc.layout)
 
 
 def masked_linear(components: Components, site_masks: Mapping[str, SiteMask]) -> LinearFn:

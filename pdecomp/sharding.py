@@ -39,8 +39,6 @@ LOGICAL: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"\.U$", (None, "comp", "embed")),
     (r"\.w_out\['[^']*'\]$", (None, "ci_embed", "comp")),
     (r"\.b_out\['[^']*'\]$", (None, "comp")),
-    (r"\.V$", ("embed", "comp")),  # one site's (`Components.sites`)
-    (r"\.U$", ("comp", "embed")),
     # the global CI transformer's input projection (every site's inputs in: each site's rows,
     # stacked by group)
     (r"\.w_in\['[^']*'\]$", (None, "ci_in", "ci_embed")),

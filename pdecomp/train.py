@@ -202,7 +202,7 @@ def faithfulness(tied: Mapping[str, str], target, stepped: Components, acc: Comp
     # Llama); another's are stacked here (`site_weights` is all a new kind needs).
     stacks = (target.weight_stacks(full.layout) if hasattr(target, "weight_stacks")
               else weight_stacks(target.site_weights(), full.layout))
-    sq, _, grads = faithfulness_into(stacks, full, grads, coeff * losses.per(n))
+    sq, grads = faithfulness_into(stacks, full, grads, coeff * losses.per(n))
     return sq * losses.per(n), fold_tied(grads, {f: tied[f] for f in zeros})
 
 
