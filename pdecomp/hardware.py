@@ -44,10 +44,12 @@ class GpuSpec:
     l2_bytes: int
     clock_ghz: float
     mem_clock_khz: int
-    # Published rates, for the gate's time model only (pdecomp.step_cost): dense bf16
-    # matmul FLOP/s, NVLink bytes/s one way per GPU, inter-host network bytes/s per GPU
-    # (one 400 Gb/s NIC per GPU, as DGX H100, H200 and B200 systems have).
+    # Published rates, for the gate's time model only (pdecomp.step_cost): dense bf16 and
+    # TF32 matmul FLOP/s (XLA runs a float32 product on TF32 tensor cores at jax's default
+    # precision), NVLink bytes/s one way per GPU, inter-host network bytes/s per GPU (one
+    # 400 Gb/s NIC per GPU, as DGX H100, H200 and B200 systems have).
     bf16_flops: float = 989.4e12
+    tf32_flops: float = 494.7e12
     nvlink_bandwidth: float = 450e9
     network_bandwidth: float = 50e9
     shared_memory_per_sm: int = 233_472  # 228 KiB on sm_90 and sm_100
@@ -69,7 +71,7 @@ GPUS: dict[str, GpuSpec] = {
     "b200": GpuSpec("NVIDIA B200", (10, 0), sm_count=148, memory_bytes=191_514_411_008,
                     memory_bandwidth=7_672_320_000_000, l2_bytes=132_644_864, clock_ghz=1.965,
                     mem_clock_khz=3_996_000, pcie_bandwidth=68_719_476_736,
-                    bf16_flops=2.25e15, nvlink_bandwidth=900e9),
+                    bf16_flops=2.25e15, tf32_flops=1.1e15, nvlink_bandwidth=900e9),
 }
 
 

@@ -6,7 +6,8 @@ a deviceless gate has no executable to ask), each instruction counts as often as
 a while loop's body as many times as its known trip count (XLA records it on the loop; a
 scanned layer stack is such a loop), a fusion's body as often as the fusion. Per device:
 
-- **FLOPs**: 2 x multiply-adds of every dot (and cuBLAS call), wherever it sits;
+- **FLOPs**: 2 x multiply-adds of every dot (and cuBLAS call), wherever it sits, and the
+  part of them on float32 operands (`f32_flops`: TF32 on the tensor cores, half the rate);
 - **HBM bytes**: what each top-level instruction (a fusion, a copy, a collective, a custom
   call) reads and writes, its operands and its result, as XLA's own cost analysis counts
   them (a fusion's intermediates stay on chip);
@@ -16,9 +17,10 @@ scanned layer stack is such a loop), a fusion's body as often as the fusion. Per
   (n - 1)/n of its buffer, an all-to-all (n - 1)/n, a collective-permute its buffer; a
   group within one host goes over NVLink, one across hosts over the network.
 
-The time: compute at the dense bf16 rate, HBM at its bandwidth, each collective at its
-link's rate; the step takes the largest of the three with full overlap (`roofline_s`, its
-`bound` named), the sum of compute and network with none (`serial_s`).
+The time: compute at the dense bf16 rate (TF32's for float32 operands), HBM at its
+bandwidth, each collective at its link's rate; the step takes the largest of the three with
+full overlap (`roofline_s`, its `bound` named), the sum of compute and network with none
+(`serial_s`).
 """
 
 from __future__ import annotations
@@ -278,12 +280,15 @@ def measure(text: str, n_devices: int, hosts: int = 1) -> dict[str, Any]:
     runs, inner = multipliers(computations, entry)
     shapes = {i.name: i.shape for c in computations.values() for i in c}
     per_host = max(n_devices // max(hosts, 1), 1)
-    flops = hbm = 0
+    flops = f32_flops = hbm = 0
     moved: dict[str, dict[str, float]] = {}
     for name, instructions in computations.items():
         times = runs.get(name, 0)
         for ins in instructions if times else ():
-            flops += times * dot_flops(ins, shapes)
+            done = times * dot_flops(ins, shapes)
+            flops += done
+            f32_flops += done if done and shape_of(ins.operands[0], shapes).startswith("f32") \
+                else 0
             if name in inner or ins.op in FREE:
                 continue
             hbm += times * hbm_bytes(ins, computations, shapes)
@@ -297,7 +302,7 @@ def measure(text: str, n_devices: int, hosts: int = 1) -> dict[str, Any]:
             row["count"] += times
             row["bytes"] += sent
             row["network_bytes"] += sent if _crosses_hosts(ins, members, per_host) else 0.0
-    return {"flops": int(flops), "hbm_bytes": int(hbm),
+    return {"flops": int(flops), "f32_flops": int(f32_flops), "hbm_bytes": int(hbm),
             "collectives": {k: {"count": int(v["count"]), "bytes": int(v["bytes"]),
                                 "network_bytes": int(v["network_bytes"])}
                             for k, v in sorted(moved.items())}}
@@ -310,12 +315,14 @@ def roofline(cost: dict[str, Any], spec: Any) -> dict[str, Any]:
     moved = cost["collectives"].values()
     network = sum(c["network_bytes"] for c in moved)
     nvlink = sum(c["bytes"] for c in moved) - network
-    times = {"compute": cost["flops"] / spec.bf16_flops,
+    f32 = cost.get("f32_flops", 0)
+    times = {"compute": (cost["flops"] - f32) / spec.bf16_flops + f32 / spec.tf32_flops,
              "hbm": cost["hbm_bytes"] / spec.memory_bandwidth,
              "network": nvlink / spec.nvlink_bandwidth + network / spec.network_bandwidth}
     bound = max(times, key=lambda k: times[k])
     return {"compute_s": times["compute"], "hbm_s": times["hbm"],
             "network_s": times["network"], "roofline_s": times[bound], "bound": bound,
             "serial_s": times["compute"] + times["network"],
-            "rates": {"bf16_flops": spec.bf16_flops, "hbm": spec.memory_bandwidth,
+            "rates": {"bf16_flops": spec.bf16_flops, "tf32_flops": spec.tf32_flops,
+                      "hbm": spec.memory_bandwidth,
                       "nvlink": spec.nvlink_bandwidth, "network": spec.network_bandwidth}}

@@ -74,7 +74,11 @@ def test_the_roofline_names_what_bounds_the_step(measured: dict) -> None:
     nvlink = sum(c["bytes"] for c in measured["collectives"].values()) - network
     assert r["network_s"] == pytest.approx(nvlink / b200.nvlink_bandwidth
                                            + network / b200.network_bandwidth)
-    assert r["compute_s"] == pytest.approx(measured["flops"] / b200.bf16_flops)
+    assert measured["f32_flops"] == measured["flops"]  # a float32 product: TF32's rate
+    assert r["compute_s"] == pytest.approx(measured["flops"] / b200.tf32_flops)
+    half = {**measured, "f32_flops": measured["flops"] // 2}  # half of it on bf16 operands
+    assert step_cost.roofline(half, b200)["compute_s"] == pytest.approx(
+        measured["flops"] / 2 / b200.bf16_flops + measured["flops"] / 2 / b200.tf32_flops)
     assert r["roofline_s"] == max(r["compute_s"], r["hbm_s"], r["network_s"])
     assert r["bound"] == "network"  # a few KB of matmul against a cross-host all-gather
     assert r["serial_s"] == pytest.approx(r["compute_s"] + r["network_s"])
@@ -116,4 +120,5 @@ def test_a_loops_body_counts_as_often_as_it_runs() -> None:
 
     compiled = jax.jit(grads).lower(jax.ShapeDtypeStruct((6, 512, 512), jnp.float32),
                                     jax.ShapeDtypeStruct((256, 512), jnp.float32)).compile()
-    assert step_cost.measure(compiled.as_text(), 1)["flops"] == 6 * 3 * 2 * 256 * 512 * 512
+    cost = step_cost.measure(compiled.as_text(), 1)
+    assert cost["flops"] == cost["f32_flops"] == 6 * 3 * 2 * 256 * 512 * 512
