@@ -23,10 +23,10 @@ CASES = {  # name: (overrides, GPUs, positions a step)
     "b128_x32": (["mesh=fsdp4x8", "data.batch_size=128"], 32, 128 * 512),
     "b256_x32": (["mesh=fsdp4x8", "data.batch_size=256"], 32, 256 * 512),
     "b1024_x128": (["mesh=fsdp16x8", "data.batch_size=1024"], 128, 1024 * 512),
-    # fewer, larger microbatches: each one's gradient reduction crosses the hosts
-    "b128_x32_mb2": (["mesh=fsdp4x8", "data.batch_size=128", "optim.microbatch_size=2"], 32,
+    # more, smaller microbatches: each one's gradient reduction crosses the hosts
+    "b128_x32_mb8": (["mesh=fsdp4x8", "data.batch_size=128", "optim.microbatch_size=8"], 32,
                      128 * 512),
-    "b128_x32_mb1": (["mesh=fsdp4x8", "data.batch_size=128", "optim.microbatch_size=1"], 32,
+    "b128_x32_mb4": (["mesh=fsdp4x8", "data.batch_size=128", "optim.microbatch_size=4"], 32,
                      128 * 512),
     # the weights split over data too (ZeRO-3), gathered per microbatch: for comparison
     "b128_x32_zero3": (["mesh=fsdp4x8", "data.batch_size=128", "mesh.shard_weights=true"], 32,
