@@ -637,7 +637,7 @@ def refusal(args: Any) -> str | None:
     try:
         read_config(run_dir)
         if args.target == "local":
-            checkpoints_of(run_dir)
+            checkpoints_of(run_dir, whole_state=False)
     except RunDirError as e:
         return f"{e}; pdecomp analyze expects a run directory with config.yaml and checkpoints/"
     return None

@@ -68,6 +68,10 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def item_dir(self, step: int) -> Path:
+        """Where the arrays of `step` lie."""
+        return self.directory / str(step) / ocp.checkpoint_manager.DEFAULT_ITEM_NAME
+
     def steps_newest_first(self) -> list[int]:
         """Every complete step, newest first: the order a resume tries them in."""
         return sorted(self.manager.all_steps(), reverse=True)
@@ -96,8 +100,7 @@ class Checkpointer:
         handler = ocp.StandardCheckpointHandler()
         try:
             restored = handler.restore(
-                self.directory / str(step) / ocp.checkpoint_manager.DEFAULT_ITEM_NAME,
-                args=ocp.args.StandardRestore(jax.tree.map(abstract, arrays)))
+                self.item_dir(step), args=ocp.args.StandardRestore(jax.tree.map(abstract, arrays)))
         finally:
             handler.close()
         return eqx.combine(restored, static)
@@ -106,7 +109,7 @@ class Checkpointer:
         """Only the state's top-level `fields` named, each restored into the structure and
         shardings of its abstract tree (`{"components": ..., "ci_fn": ...}`): the rest of
         the checkpoint (optimizer moments, the adversary) is never read."""
-        path = self.directory / str(step) / ocp.checkpoint_manager.DEFAULT_ITEM_NAME
+        path = self.item_dir(step)
         handler = ocp.PyTreeCheckpointHandler()
         try:
             stored = handler.metadata(path)
@@ -284,8 +287,9 @@ class _FailedWriteRecords(logging.Filter):
 def _older_layout(saved: dict[str, Any]) -> str | None:
     if any(k.startswith("components.sites.") for k in saved):
         return ("holds components per site, as pdecomp wrote them before it stacked the state "
-                "by group (Components.groups): read it with the pdecomp that wrote it (its "
-                "commit is in the run's run.json, under provenance)")
+                "by group (Components.groups): analyze and export read it, a resume needs the "
+                "pdecomp that wrote it (its commit is in the run's run.json, under "
+                "provenance)")
     return None
 
 
@@ -300,7 +304,7 @@ def _by_name(tree) -> dict[str, tuple[tuple[int, ...], str]]:
     return out
 
 
-def _key(k: Any) -> Any:
+def key_of(k: Any) -> Any:
     """A jax key path entry as orbax stores it: attribute and dict keys by name, sequence
     entries by index."""
     for attr in ("name", "key", "idx"):
@@ -311,7 +315,7 @@ def _key(k: Any) -> Any:
 
 def _at(stored: Any, path: tuple) -> Any:
     for k in path:
-        stored = stored[_key(k)]
+        stored = stored[key_of(k)]
     return stored
 
 
@@ -321,11 +325,11 @@ def _as_stored(tree: Any, stored: Any) -> Any:
     def put(kp: tuple, x: jax.ShapeDtypeStruct) -> None:
         node = out
         for k in kp[:-1]:
-            node = node.setdefault(_key(k), {})
+            node = node.setdefault(key_of(k), {})
         if tuple(_at(stored, kp).shape) != tuple(x.shape):
             raise ValueError(f"{jax.tree_util.keystr(kp)}: stored {_at(stored, kp).shape}, "
                              f"expected {x.shape}")
-        node[_key(kp[-1])] = x
+        node[key_of(kp[-1])] = x
 
     out: dict = {}
     for kp, x in jax.tree_util.tree_leaves_with_path(tree):

@@ -19,7 +19,7 @@ import numpy as np
 import yaml
 from jax.sharding import Mesh
 
-from pdecomp import sharding
+from pdecomp import older_layout, sharding
 from pdecomp.checkpoint import Checkpointer, complete_steps
 from pdecomp.components import Components, with_tied
 from pdecomp.config import RunConfig
@@ -88,8 +88,10 @@ def analysis_mesh(devices: int) -> Mesh:
     return Mesh(np.array(found[:devices]).reshape(1, devices), (sharding.AXIS, sharding.MODEL))
 
 
-def checkpoints_of(run_dir: Path) -> Path:
-    """The run's checkpoint directory, holding at least one checkpoint; RunDirError if not."""
+def checkpoints_of(run_dir: Path, whole_state: bool = True) -> Path:
+    """The run's checkpoint directory, holding at least one checkpoint; RunDirError if not,
+    or if its newest checkpoint is of an older layout and `whole_state` is wanted (a
+    reader's share of one is restacked: `older_layout`)."""
     ckpt_dir = run_dir / "checkpoints"
     if not ckpt_dir.is_dir():  # not made here: opening a Checkpointer would create it
         raise RunDirError(f"{run_dir}: no checkpoints/ (a gate-only run, or one that "
@@ -99,7 +101,7 @@ def checkpoints_of(run_dir: Path) -> Path:
     ckpt = Checkpointer(ckpt_dir)
     why = ckpt.older_layout(max(steps))
     ckpt.close()
-    if why:
+    if why and whole_state:
         raise RunDirError(f"{run_dir}: its checkpoint at step {max(steps)} {why}")
     return ckpt_dir
 
@@ -121,23 +123,24 @@ def load_run(run_dir: str | Path, log: Callable[[str], None] = print,
     checkpoint. `log` hears about a toy target being trained (when the cache has none)."""
     run_dir = Path(run_dir).absolute()
     run = resolve(read_config(run_dir))
-    ckpt_dir = checkpoints_of(run_dir)
+    ckpt_dir = checkpoints_of(run_dir, whole_state)
     mesh = mesh or analysis_mesh(1)
     target_abs, state_abs = placed_abstract(run, mesh)
     ckpt = Checkpointer(ckpt_dir)
     try:
         step = ckpt.latest_step()
         assert step is not None  # checkpoints_of found one
-        why = ckpt.mismatch(state_abs, step, () if whole_state else ("components", "ci_fn"))
-        if why:
+        fields = {"components": state_abs.components, "ci_fn": state_abs.ci_fn}
+        if not whole_state and ckpt.older_layout(step):
+            state, parts = None, _restacked(run_dir, ckpt.item_dir(step), fields, step)
+        elif why := ckpt.mismatch(state_abs, step, () if whole_state else tuple(fields)):
             raise RunDirError(f"{run_dir}: its checkpoint at step {step} {why}")
-        if whole_state:
+        elif whole_state:
             state = ckpt.restore(state_abs, step)
-            components, ci_fn = state.components, state.ci_fn
+            parts = {"components": state.components, "ci_fn": state.ci_fn}
         else:
-            state, parts = None, ckpt.restore_fields(
-                {"components": state_abs.components, "ci_fn": state_abs.ci_fn}, step)
-            components, ci_fn = parts["components"], parts["ci_fn"]
+            state, parts = None, ckpt.restore_fields(fields, step)
+        components, ci_fn = parts["components"], parts["ci_fn"]
     finally:
         ckpt.close()
     target, _ = load_target(run, target_abs, log)
@@ -147,3 +150,14 @@ def load_run(run_dir: str | Path, log: Callable[[str], None] = print,
                      history=read_json(run_dir / "history.json") or [],
                      summary=read_json(run_dir / "summary.json"),
                      gate=read_json(run_dir / "gate.json"))
+
+
+def _restacked(run_dir: Path, item_dir: Path, fields: dict[str, Any], step: int
+               ) -> dict[str, Any]:
+    """A reader's share of a checkpoint of the older layout, in this version's."""
+    try:
+        return older_layout.restack(older_layout.stored_fields(item_dir), fields)
+    except ValueError as e:
+        raise RunDirError(f"{run_dir}: its checkpoint at step {step}, of the layout before "
+                          f"the state was stacked by group, does not fit the run's "
+                          f"settings: {e}") from None
