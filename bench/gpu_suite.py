@@ -82,6 +82,8 @@ def run_pdecomp(overrides: list[str], run_dir: Path, timeout: float | None = Non
             "measured_peak_bytes": gate.get("measured_peak_bytes"),
             "measured_by_phase": gate.get("measured_peak_by_phase_bytes"),
             "memory_env": gate.get("memory_env"), "matmul_flops": gate["matmul_flops"],
+            # the gate's time model on this card, to set beside step_s (bench_time_model.py)
+            "predicted_step": (gate.get("step") or {}).get("time"),
             "compile_s": gate["compile_s"], "wall_s": wall}
 
 
@@ -298,6 +300,8 @@ def speed_line(key: str, row: dict) -> str:
     text = (f"{key}: pdecomp {pd['step_s'] * 1e3:.1f} ms/step ({pd['tokens_per_s']:,.0f} tok/s)"
             f", gate {pd['predicted_peak_bytes'] / GiB:.3f} GiB, measured "
             f"{(pd['measured_peak_bytes'] or 0) / GiB:.3f} GiB")
+    if t := pd.get("predicted_step"):
+        text += f", predicted step {t['roofline_s'] * 1e3:.1f} ms ({t['bound']}-bound floor)"
     if "step_s" in ref:
         text += (f"; reference {ref['step_s'] * 1e3:.1f} ms/step ({ref['tokens_per_s']:,.0f} "
                  f"tok/s): pdecomp {pd['tokens_per_s'] / ref['tokens_per_s']:.2f}x")
