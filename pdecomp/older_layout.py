@@ -60,8 +60,11 @@ def restack(stored: dict[str, Any], abstract: dict[str, Any]) -> dict[str, Any]:
             if shapes != want:
                 raise ValueError(f"{name}{jax.tree_util.keystr(kp)}: stored {shapes}, "
                                  f"expected {want}")
-            value = np.stack(value) if isinstance(value, list) else value
-            return jax.device_put(value.astype(x.dtype), x.sharding)
+            value = (np.stack(value) if isinstance(value, list) else value).astype(x.dtype)
+            if x.sharding is None:
+                return jax.device_put(value)
+            # each process places only its own devices' slices (a reader on many hosts)
+            return jax.make_array_from_callback(value.shape, x.sharding, lambda ix: value[ix])
 
         out[name] = jax.tree_util.tree_map_with_path(leaf, tree)
     return out
