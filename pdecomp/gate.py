@@ -296,7 +296,7 @@ def step_rows(step: dict[str, Any] | None) -> list[tuple[str, str]]:
         rows.append((f"  {kind}", (f"{c['count']} x, {fmt_bytes(c['bytes'])} sent"
                                   f" ({fmt_bytes(c['network_bytes'])} across hosts)")))
     if t := step.get("time"):
-        rows.append(("predicted step", (
+        rows.append(("predicted step (a floor)", (
             f"{t['roofline_s']:.3g} s, {t['bound']}-bound (compute {t['compute_s']:.3g} s, "
             f"HBM {t['hbm_s']:.3g} s, network {t['network_s']:.3g} s; "
             f"no overlap {t['serial_s']:.3g} s)")))
