@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_gate import gate_only
 from bench_gpu import JOBS as GPU_JOBS
-from gpu_suite import QUIET, SPEED_JOB, pdecomp_cmd, quality_job, random_model, random_tokens
+from gpu_suite import SPEED_JOB, quality_job, random_model, random_tokens
 
 RESULTS = Path(__file__).resolve().parent / "results.json"
 
@@ -57,16 +56,6 @@ def jobs(model: Path, data: Path) -> dict[str, tuple[str, str, list[str]]]:
                                         GPU_JOBS["llama8b_l18_scaled"][0])}
 
 
-def gate(overrides: list[str], card: str, run_dir: Path) -> tuple[dict, float]:
-    t0 = time.perf_counter()
-    proc = subprocess.run([*pdecomp_cmd(), *overrides, *QUIET, "gate.only=true",
-                           f"gate.target={card}", f"hydra.run.dir={run_dir}"],
-                          capture_output=True, text=True, check=False)
-    if not (run_dir / "gate.json").exists():
-        raise SystemExit(f"gate failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
-    return json.loads((run_dir / "gate.json").read_text()), time.perf_counter() - t0
-
-
 def row(name: str, card: str, measured: dict, report: dict, wall_s: float) -> dict:
     step = report["step"]
     t = step["time"]
@@ -95,7 +84,7 @@ def main() -> None:
             "time_model", {}).get("rows", [])}
         for name in args.job or list(table):
             key, card, overrides = table[name]
-            report, wall = gate(overrides, card, work / name)
+            wall, report = gate_only([*overrides, f"gate.target={card}"], str(work / name))
             rows[name] = row(name, card, measured[key], report, wall)
             print(json.dumps(rows[name]), flush=True)
             data_ = json.loads(RESULTS.read_text())  # other benches may have written meanwhile

@@ -10,14 +10,13 @@ step; the rows go into bench/results.json under "whole_8b" (bench/RESULTS.md's t
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+from bench_gate import gate_only  # bench/ is on the path when a script there runs
+
 ROOT = Path(__file__).resolve().parent.parent
-PDECOMP = ROOT / ".venv" / "bin" / "pdecomp"
 RESULTS = ROOT / "bench" / "results.json"
 CASES = {  # name: (overrides, GPUs, positions a step)
     "b128_x32": (["mesh=fsdp4x8", "data.batch_size=128"], 32, 128 * 512),
@@ -32,15 +31,6 @@ CASES = {  # name: (overrides, GPUs, positions a step)
     "b128_x32_zero3": (["mesh=fsdp4x8", "data.batch_size=128", "mesh.shard_weights=true"], 32,
                        128 * 512),
 }
-
-
-def gate(overrides: list[str], run_dir: Path) -> tuple[dict, float]:
-    """Run the deviceless gate into run_dir: its report and the wall seconds it took."""
-    t0 = time.perf_counter()
-    subprocess.run([str(PDECOMP), "+experiment=llama8b_all", "gate.only=true",
-                    "gate.target=b200", *overrides, f"hydra.run.dir={run_dir}",
-                    "logging.wandb.mode=disabled"], check=False, capture_output=True)
-    return json.loads((run_dir / "gate.json").read_text()), time.perf_counter() - t0
 
 
 def row(name: str, report: dict, wall_s: float | None) -> dict:
@@ -69,7 +59,8 @@ def main(argv: list[str]) -> None:
             report, wall = json.loads((Path(given) / "gate.json").read_text()), None
         else:
             with tempfile.TemporaryDirectory() as tmp:
-                report, wall = gate(CASES[name][0], Path(tmp) / "run")
+                wall, report = gate_only(["+experiment=llama8b_all", "gate.target=b200",
+                                          *CASES[name][0]], str(Path(tmp) / "run"))
         rows[name] = row(name, report, wall)
         print(json.dumps(rows[name], default=str))
         # read again: other benches may have written their figures while this one compiled

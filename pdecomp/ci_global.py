@@ -139,6 +139,16 @@ class GlobalCITransformer(eqx.Module):
         return {g: jax.vmap(self.head_logits, in_axes=(None, 0))(h, self.heads(g, ix))
                 for g, ix in live.items()}
 
+    def per_site(self) -> dict[str, Array | list[Array]]:
+        """The input projection and logit heads in the form before they were stacked by
+        group, in the site order (`sites`): `w_in` [Σ d_in, d_model], every site's rows one
+        after another, and `w_out`, `b_out` a list of each site's head. What `pdecomp
+        export` writes (`older_layout` reads a checkpoint of this form back)."""
+        w_in, w_out, b_out = (self.layout.unstack(x) for x in (self.w_in, self.w_out,
+                                                                self.b_out))
+        return {"w_in": jnp.concatenate([w_in[s] for s in self.sites]),
+                "w_out": [w_out[s] for s in self.sites], "b_out": [b_out[s] for s in self.sites]}
+
     def heads(self, g: str, ix: tuple[int, ...]) -> tuple[Array, Array]:
         """Group g's logit heads of members `ix`: (w [n, d_model, C], b [n, C])."""
         return take((self.w_out[g], self.b_out[g]), ix, len(self.layout.of_group(g)))

@@ -60,12 +60,11 @@ def ci_fn_tensors(ci_fn: Any) -> dict[str, np.ndarray]:
         return out
     out = {k: v for k, v in out.items()
            if not k.startswith(("global_net.w_in[", "global_net.w_out[", "global_net.b_out["))}
-    w_in, w_out, b_out = (net.layout.unstack(x) for x in (net.w_in, net.w_out, net.b_out))
-    out["global_net.w_in"] = np.concatenate([np.asarray(w_in[s], np.float32)
-                                             for s in net.sites])
-    for i, s in enumerate(net.sites):
-        out[f"global_net.w_out[{i}]"] = np.asarray(w_out[s], np.float32)
-        out[f"global_net.b_out[{i}]"] = np.asarray(b_out[s], np.float32)
+    per_site = net.per_site()
+    out["global_net.w_in"] = np.asarray(per_site["w_in"], np.float32)
+    for part in ("w_out", "b_out"):
+        out |= {f"global_net.{part}[{i}]": np.asarray(v, np.float32)
+                for i, v in enumerate(per_site[part])}
     return out
 
 

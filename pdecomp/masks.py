@@ -131,21 +131,13 @@ def sample_forward_masks(key: PRNGKeyArray, live: Sequence[str], source: str, ro
                          ci_lower: Mapping[str, Array], delta: bool,
                          at: Positions | None = None) -> dict[str, SiteMask]:
     """Fresh sources and routing for one forward of a plan (`at`: where these positions sit
-    in the whole batch, for a microbatch), per site: `group_masks` with the sites of one
+    in the whole batch, for a microbatch), per site: `group_parts` with the sites of one
     shape stacked (the same draws)."""
     live = tuple(live)
     layout = Groups.of(live, lambda s: ci_lower[s].shape)
     lower = layout.stack(dict(ci_lower), layout.live(live))
-    return layout.unstack(group_masks(key, live, layout, source, routing, lower, delta, at))
-
-
-def group_masks(key: PRNGKeyArray, live: Sequence[str], layout: Groups, source: str,
-                routing: str, ci_lower: Mapping[str, Array], delta: bool,
-                at: Positions | None = None) -> dict[str, SiteMask]:
-    """`sample_forward_masks` for sites stacked by group: `ci_lower[g]` is [n, *pos, C] over
-    g's live members (`layout.live(live)`), and so is each mask."""
-    parts = group_parts(key, live, layout, source, routing, ci_lower, at)
-    return {g: mask_of(p, delta) for g, p in parts.items()}
+    parts = group_parts(key, live, layout, source, routing, lower, at)
+    return layout.unstack({g: mask_of(p, delta) for g, p in parts.items()})
 
 
 def group_parts(key: PRNGKeyArray, live: Sequence[str], layout: Groups, source: str,

@@ -7,7 +7,8 @@ What changed, and so what is restacked (everything else is read where it lies):
   members stacked on a leading axis;
 - the global CI transformer's input projection `w_in [Σ d_in, d_model]` (every site's rows,
   in the network's site order) -> `w_in[g] [n, d_in, d_model]`, and its logit heads, a
-  tuple per site (`w_out[i] [d_model, C]`, `b_out[i] [C]`) -> `w_out[g]`, `b_out[g]`.
+  tuple per site (`w_out[i] [d_model, C]`, `b_out[i] [C]`) -> `w_out[g]`, `b_out[g]`: the
+  inverse of `GlobalCITransformer.per_site`.
 A run's optimizer moments and adversary are not converted: resuming such a run takes the
 pdecomp that wrote it.
 """

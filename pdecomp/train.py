@@ -587,10 +587,9 @@ def warmup_ascents(ps: Pass, lr: Array) -> Adversary:
     comps = jax.lax.stop_gradient(with_tied(state.components, ps.plan.tied))
 
     def detached(obs):
-        if spec.stream_ci:
-            return obs, (state.ci_fn, jax.lax.stop_gradient(
-                state.ci_fn.features(obs.inputs, comps)))
         features = state.ci_fn.features(obs.inputs, comps)
+        if spec.stream_ci:
+            return obs, (state.ci_fn, jax.lax.stop_gradient(features))
         return obs, jax.lax.stop_gradient(
             {g: ci_lower(v) for g, v in state.ci_fn.logits_of(features, ps.every, comps).items()})
 

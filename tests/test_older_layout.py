@@ -27,15 +27,11 @@ def as_older(components: Components, ci_fn: CIFunction) -> dict:
     """The same arrays as the layout before the stacking kept them: V, U per site; the
     input projection's rows concatenated in the network's site order; a head per site."""
     net = ci_fn.global_net
-    w_in, w_out, b_out = (net.layout.unstack(t) for t in (net.w_in, net.w_out, net.b_out))
     shared = {f.name: getattr(net, f.name) for f in dataclasses.fields(net)
               if eqx.is_array(getattr(net, f.name)) and f.name not in ("w_in", "w_out", "b_out")}
     return {"components": {"sites": {s: {"V": c.V, "U": c.U}
                                      for s, c in components.sites.items()}},
-            "ci_fn": {"global_net": {**shared,
-                                     "w_in": np.concatenate([w_in[s] for s in net.sites]),
-                                     "w_out": [w_out[s] for s in net.sites],
-                                     "b_out": [b_out[s] for s in net.sites]}}}
+            "ci_fn": {"global_net": {**shared, **net.per_site()}}}
 
 
 @pytest.fixture(scope="module")
