@@ -14,9 +14,8 @@ import re
 import shutil
 import signal
 import sys
-import tempfile
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +33,9 @@ from launcher import analysis_job, callbacks, cluster, resume
 from launcher.registry import register, to_run_config
 from pdecomp import hardware
 from pdecomp.config import ConfigError, RunConfig
-from pdecomp.exits import EXIT_BAD_CONFIG
+from pdecomp.exits import EXIT_BAD_CONFIG, EXIT_FAULT, Refused
 from pdecomp.resolve import with_microbatch_size
+from pdecomp.storage import WriteFailed, storage_error, unwritable
 from pdecomp.validation import validate
 
 # Inside the package, so an installed wheel carries the configs (package data).
@@ -228,22 +228,6 @@ def check_overrides(overrides: list[str], validated: bool = True,
     return first
 
 
-def output_dir_problem(path: Path) -> str | None:
-    """Why Hydra could not make `path` and write in it, or None. Found for real: a directory
-    is made (and removed) where the first missing part of `path` would go, so a read-only
-    file system, missing permissions and a file in the way are all caught."""
-    existing = path
-    while not (existing.exists() or existing.is_symlink()):
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"{existing} is not a directory"
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".pdecomp-", dir=existing))
-    except OSError as e:
-        return f"cannot make a directory in {existing}: {e.strerror}"
-    return None
-
-
 def missing_dirs(path: Path) -> list[Path]:
     """`path` and those of its parents that do not exist yet, deepest first."""
     return [p for p in (path, *path.parents) if not (p.exists() or p.is_symlink())]
@@ -319,6 +303,27 @@ SUBCOMMANDS = {"analyze": "pdecomp.analyze", "convert": "pdecomp.from_gguf",
                "view": "pdecomp.view"}
 
 
+def ended_cleanly(prog: str, command: Callable[[], int]) -> int:
+    """`command()`'s exit code; what its input or the machine can do wrong ends it in one
+    line instead of a traceback: a refused input (a bad flag, a damaged or disagreeing file
+    of the run) with exit 2, a fault of the file system (full, read-only, failing) or of the
+    network with exit 1. Anything else is a crash, with its traceback."""
+    try:
+        return command()
+    except (Refused, ConfigError) as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    except WriteFailed as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return EXIT_FAULT
+    except Exception as e:
+        if (why := storage_error(e)) is None:
+            raise
+        where = getattr(e, "filename", None)
+        print(f"{prog}: {f'{where}: ' if where else ''}{why}", file=sys.stderr)
+        return EXIT_FAULT
+
+
 def _main() -> None:
     if sys.argv[1:2] in (["--version"], ["-V"]):  # pdecomp's, not Hydra's
         print(version_line())
@@ -326,10 +331,12 @@ def _main() -> None:
     if sys.argv[1:2] == ["resume"]:  # the run's own command line, in its directory
         sys.argv[1:] = resume.command_line(sys.argv[2:])
     cluster.split_cpu_devices()  # before jax starts, for a run or an analysis alike
-    if sys.argv[1:2] == ["analyze"]:  # here, or as a job (`cluster=...`)
-        sys.exit(analyze(sys.argv[2:]))
-    if sys.argv[1:2] and sys.argv[1] in SUBCOMMANDS:
-        sys.exit(importlib.import_module(SUBCOMMANDS[sys.argv[1]]).main(sys.argv[2:]))
+    name = sys.argv[1] if sys.argv[1:2] else ""
+    if name == "analyze":  # here, or as a job (`cluster=...`)
+        sys.exit(ended_cleanly("pdecomp analyze", lambda: analyze(sys.argv[2:])))
+    if name in SUBCOMMANDS:
+        main = importlib.import_module(SUBCOMMANDS[name]).main
+        sys.exit(ended_cleanly(f"pdecomp {name}", lambda: main(sys.argv[2:])))
     hardware.no_gpu_autotuning_without_gpus()
     wait = _pop_flag("--wait")
     overrides = _overrides(sys.argv[1:])
@@ -353,7 +360,7 @@ def _main() -> None:
         key, out_dir = ("hydra.sweep.dir", run.sweep_dir) if multirun else ("hydra.run.dir",
                                                                             run.run_dir)
         prints_only = bool({"--cfg", "-c"} & set(sys.argv))  # Hydra makes no directory
-        if not prints_only and (why := output_dir_problem(out_dir)):
+        if not prints_only and (why := unwritable(out_dir)):
             print(f"config error: {key}={out_dir}: {why}; give a directory that can be made "
                   "and written", file=sys.stderr)
             sys.exit(EXIT_BAD_CONFIG)

@@ -157,19 +157,20 @@ def analysis_tables(report: Path) -> dict[str, Any]:
 
 
 def _cell(value: Any) -> Any:
-    """A list cell as one string: contexts by their text, tokens by theirs, partners as
-    site:component, each with its figure."""
+    """A list cell as one string: each entry by its name (a context's text, a token, a
+    partner as site:component) with its first figure (CI, count, logit or probability)."""
     if not isinstance(value, list):
         return value
 
     def one(v: Any) -> str:
         if not isinstance(v, dict):
             return str(v)
-        if "text" in v:
-            return f"{v['text']} ({v['ci']:.3g})"
-        if "token" in v:
-            return f"{v['token']!r} ({v['count']})"
-        return f"{v['site']}:{v['component']} ({v['p']:.2f})"
+        name = (v["text"] if "text" in v else repr(v["token"]) if "token" in v
+                else f"{v.get('site')}:{v.get('component')}")
+        figure = next((v[k] for k in ("ci", "count", "logit", "p") if k in v), None)
+        if figure is None:
+            return name
+        return f"{name} ({figure:.3g})" if isinstance(figure, float) else f"{name} ({figure})"
 
     return " | ".join(one(v) for v in value)
 

@@ -51,6 +51,12 @@ def target_mesh(target: str, devices: int, gpus_per_host: int) -> Mesh:
                                   ((AXIS, 1), (MODEL, devices)))
 
 
+def cofire_rows(mesh: Mesh, n: int) -> NamedSharding:
+    """A group's [n, n] co-firing counts split along their rows over the model axis, as the
+    components along C; whole on each device where the axis does not divide n."""
+    return NamedSharding(mesh, P(MODEL, None) if n % mesh.shape[MODEL] == 0 else P())
+
+
 def gate(run: Run, mesh: Mesh, o: harvest.Options, batch_size: int,
          cap_gib: float | None, target: str | None = None) -> dict[str, Any]:
     """The analysis step's gate report on `mesh` (fits: its peak is under the cap);
@@ -60,8 +66,7 @@ def gate(run: Run, mesh: Mesh, o: harvest.Options, batch_size: int,
     tied, step = dict(run.tied), harvest.step_fn(o)
     C = state_abs.components.site_C
     C |= {s: C[source] for s, source in tied.items()}  # a tied site shares its source's C
-    rows = NamedSharding(mesh, P(MODEL, None))
-    cofire = tuple(jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows)
+    cofire = tuple(jax.ShapeDtypeStruct(shape, jnp.int32, sharding=cofire_rows(mesh, shape[0]))
                    for shape in harvest.cofire_shapes(o, C))
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, P()))
 

@@ -11,6 +11,7 @@ and renamed over the last one: a stop while saving leaves the previous state who
 
 from __future__ import annotations
 
+import json
 import pickle
 import shutil
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from jaxtyping import Array
 from pdecomp import storage
 
 PARTIAL = ".analysis-partial"
+LAYOUT = "layout.json"  # where each saved shard lies in its whole array
 
 
 @dataclass
@@ -38,15 +40,20 @@ class PassState:
 
 
 def save(run_dir: Path, state: PassState, cofire: tuple[Array, ...]) -> None:
-    """Write `state` and the co-firing counts (each device's shard apart) as the run's
-    partial analysis, replacing the one before."""
+    """Write `state` and the co-firing counts (each device's shard apart, with where it
+    lies in the whole) as the run's partial analysis, replacing the one before."""
 
     def files(tmp: Path) -> None:
         with open(tmp / "pass.pkl", "wb") as f:
             pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
+        layout = []
         for g, counts in enumerate(cofire):
-            for shard in counts.addressable_shards:
-                np.save(tmp / f"cofire{g}_{shard.device.id}.npy", np.asarray(shard.data))
+            pieces = []
+            for k, shard in enumerate(counts.addressable_shards):
+                np.save(tmp / f"cofire{g}_{k}.npy", np.asarray(shard.data))
+                pieces.append(_bounds(shard.index, counts.shape))
+            layout.append(pieces)
+        (tmp / LAYOUT).write_text(json.dumps(layout))
 
     storage.write_dir(run_dir / PARTIAL, files)
 
@@ -54,21 +61,56 @@ def save(run_dir: Path, state: PassState, cofire: tuple[Array, ...]) -> None:
 def load(run_dir: Path, request: dict[str, Any], like: tuple[Array, ...]
          ) -> tuple[PassState, tuple[Array, ...]] | None:
     """The partial analysis saved for `request`, with its co-firing counts placed as
-    `like`; None when there is none or it was made for another request."""
+    `like` (on any number of devices: each shard is cut from the saved pieces it overlaps);
+    None when there is none or it was made for another request. DamagedFile, naming the
+    file, when it cannot be read."""
     path = run_dir / PARTIAL / "pass.pkl"
     if not path.is_file():
         return None
-    with open(path, "rb") as f:
-        state: PassState = pickle.load(f)
-    if state.request != request:
-        return None
-    cofire = []
-    for g, counts in enumerate(like):
-        shards = [jax.device_put(np.load(run_dir / PARTIAL / f"cofire{g}_{s.device.id}.npy"),
-                                 s.device) for s in counts.addressable_shards]
-        cofire.append(jax.make_array_from_single_device_arrays(counts.shape, counts.sharding,
-                                                               shards))
-    return state, tuple(cofire)
+    try:
+        with open(path, "rb") as f:
+            state: PassState = pickle.load(f)
+        if not isinstance(state, PassState):
+            raise TypeError(type(state).__name__)
+        if state.request != request:
+            return None
+        layout = json.loads((run_dir / PARTIAL / LAYOUT).read_text())
+        return state, tuple(_placed(run_dir / PARTIAL, g, layout[g], counts)
+                            for g, counts in enumerate(like))
+    except (OSError, EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError,
+            pickle.UnpicklingError) as e:
+        raise storage.DamagedFile(
+            f"{run_dir / PARTIAL}: the saved partial analysis cannot be read ({e or type(e)});"
+            f" remove {PARTIAL} to start the analysis over") from None
+
+
+def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[list[int]]:
+    """[[start, stop] per axis] of a shard's `index` in an array of `shape`."""
+    return [list(sl.indices(n)[:2]) for sl, n in zip(index, shape, strict=True)]
+
+
+def _placed(folder: Path, g: int, pieces: list[list[list[int]]], like: Array) -> Array:
+    """Group `g`'s counts as `like` is placed: each of its shards filled from the saved
+    pieces it overlaps (read through a memory map: only the overlap is read)."""
+    shards = []
+    for shard in like.addressable_shards:
+        want = _bounds(shard.index, like.shape)
+        out = np.zeros([b - a for a, b in want], like.dtype)
+        filled = 0
+        for k, have in enumerate(pieces):
+            lo = [max(a, c) for (a, _), (c, _) in zip(want, have, strict=True)]
+            hi = [min(b, d) for (_, b), (_, d) in zip(want, have, strict=True)]
+            if any(a >= b for a, b in zip(lo, hi, strict=True)):
+                continue
+            piece = np.load(folder / f"cofire{g}_{k}.npy", mmap_mode="r")
+            src = tuple(slice(a - c, b - c) for a, b, (c, _) in zip(lo, hi, have, strict=True))
+            dst = tuple(slice(a - c, b - c) for a, b, (c, _) in zip(lo, hi, want, strict=True))
+            out[dst] = piece[src]
+            filled += int(np.prod([b - a for a, b in zip(lo, hi, strict=True)]))
+        if filled != out.size:
+            raise ValueError(f"group {g}'s saved counts do not cover {want}")
+        shards.append(jax.device_put(out, shard.device))
+    return jax.make_array_from_single_device_arrays(like.shape, like.sharding, shards)
 
 
 def clear(run_dir: Path) -> None:

@@ -41,7 +41,6 @@ from pdecomp import (
     logit_effects,
     metrics,
     plots,
-    sharding,
     storage,
     toys,
 )
@@ -199,12 +198,7 @@ class Tokens:
         path = Path(model_path) / "tokenizer.json" if model_path else None
         if path is None or not path.is_file():
             return
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            self.source = f"token ids ({path} needs the tokenizers package)"
-            return
-        tok = self._tok = Tokenizer.from_file(str(path))
+        tok = self._tok = storage.read_tokenizer(path)
         self.decode = lambda i: tok.decode([i])
         self.sep = ""
         self.source = f"decoded with {path}"
@@ -272,10 +266,9 @@ def component_stats(run: LoadedRun, o: harvest.Options, windows: int = 256,
 
 
 def cofire_zeros(run: LoadedRun, o: harvest.Options, C: dict[str, int]) -> tuple[Array, ...]:
-    """The co-firing counts of each group, zero, split along their rows like the
-    components along C."""
-    shard = NamedSharding(run.mesh, P(sharding.MODEL, None))
-    return tuple(jax.jit(lambda n=n: jnp.zeros((n, n), jnp.int32), out_shardings=shard)()
+    """The co-firing counts of each group, zero, placed as the analysis gate placed them."""
+    return tuple(jax.jit(lambda n=n: jnp.zeros((n, n), jnp.int32),
+                         out_shardings=analysis_gate.cofire_rows(run.mesh, n))()
                  for n, _ in harvest.cofire_shapes(o, C))
 
 
@@ -640,6 +633,11 @@ def refusal(args: Any) -> str | None:
             checkpoints_of(run_dir, whole_state=False)
     except RunDirError as e:
         return f"{e}; pdecomp analyze expects a run directory with config.yaml and checkpoints/"
+    if args.target == "local" and (why := storage.unwritable(run_dir)):
+        return f"pdecomp analyze: {run_dir}: {why}; the report is written in the run directory"
+    if args.target == "local" and args.devices > len(jax.devices()):
+        return (f"pdecomp analyze: --devices={args.devices}: this process has "
+                f"{len(jax.devices())} (PDECOMP_CPU_DEVICES=N splits a CPU into N)")
     return None
 
 

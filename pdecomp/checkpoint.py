@@ -141,8 +141,7 @@ class Checkpointer:
             except Exception as e:  # noqa: BLE001 - whatever orbax raises on damaged files
                 first = re.split(r"(?<=\.)\s", str(e).strip(), maxsplit=1)[0]
                 state, why = None, f"{type(e).__name__}: {textwrap.shorten(first, 160)}"
-                if self.quiet:
-                    _quiet_abandoned_reads()
+                self.read_failed()
             failed = hosts.gather(np.atleast_1d(why is not None))
             if not failed.any():
                 return state, step
@@ -162,6 +161,13 @@ class Checkpointer:
             if not self.manager.all_steps():
                 log("no checkpoint can be read: training starts from step 0")
         return None, None
+
+    def read_failed(self) -> None:
+        """After a read that failed: the reads orbax then abandons fail again later, each
+        with a traceback; a `quiet` checkpointer drops those (the failure is reported once,
+        by whoever caught it)."""
+        if self.quiet:
+            _quiet_abandoned_reads()
 
     def mismatch(self, state_like: eqx.Module, step: int,
                  fields: tuple[str, ...] = ()) -> str | None:

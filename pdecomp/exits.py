@@ -21,3 +21,8 @@ EXIT_CODES = {EXIT_DONE: "done", EXIT_FAULT: "a write failed, or the loss went n
               EXIT_REQUEUED: "checkpointed for a requeue (a SLURM rank)",
               EXIT_INTERRUPTED: "stopped by Ctrl-C, with a checkpoint",
               EXIT_TERMINATED: "stopped by SIGTERM, with a checkpoint"}
+
+
+class Refused(ValueError):
+    """An input a command refuses (a bad value, a damaged or disagreeing file): `str()` is
+    the one line naming it and what is allowed. Every command ends on one with exit 2."""

@@ -13,7 +13,8 @@ restores them), into `<run_dir>/export/` (or `-o DIR`):
   function's kind and sizes, the threshold that makes a component fire, step, commit).
 
 Safetensors and JSON only: `safetensors.numpy.load_file` (or torch's) reads them. The
-directory is written beside its final place and swapped in whole.
+files are written beside their final place and renamed over it; an earlier export's files
+are replaced, and nothing else in its directory is touched.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import numpy as np
 
 from pdecomp import storage
 from pdecomp.commands import Parser, refuse
-from pdecomp.rundir import read_json
 from pdecomp.runs import LoadedRun, RunDirError, load_run
 
 PROG = "pdecomp export"
@@ -75,7 +75,7 @@ def manifest(loaded: LoadedRun, ci: dict[str, np.ndarray]) -> dict[str, Any]:
                  "d_out": int(c.U.shape[1]), "V": f"{s}.V", "U": f"{s}.U",
                  "tied_to": tied.get(s)}
              for s, c in loaded.components.sites.items()}
-    written = read_json(loaded.run_dir / "run.json") or {}
+    written = storage.read_json(loaded.run_dir / "run.json") or {}
     return {
         "format": FORMAT, "run_dir": str(loaded.run_dir), "step": loaded.step,
         "provenance": written.get("provenance"),
@@ -91,9 +91,32 @@ def manifest(loaded: LoadedRun, ci: dict[str, np.ndarray]) -> dict[str, Any]:
     }
 
 
+FILES = ("components.safetensors", "ci_fn.safetensors", "manifest.json")
+
+
+def output_problem(out: Path) -> str | None:
+    """Why `out` cannot take an export, or None: it must be new, empty, or an export (its
+    manifest of this format); an export's own files are replaced, nothing else in it."""
+    if why := storage.unwritable(out):
+        return why
+    if not out.exists():
+        return None
+    if not out.is_dir():
+        return "exists and is not a directory"
+    names = {p.name for p in out.iterdir()}
+    if not names:
+        return None
+    try:
+        ours = json.loads((out / "manifest.json").read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        ours = False
+    return None if ours else "exists and is not an export"
+
+
 def write(loaded: LoadedRun, final: Path) -> Path:
-    """The three files into a temporary directory beside `final`, then swapped in: a
-    failure leaves the previous export (or none) and no partial one."""
+    """The three files written beside their place, then each renamed over its own: a
+    failure leaves the previous export (or none) and no partial file, and whatever else
+    the directory holds stays as it was."""
     from safetensors.numpy import save_file
 
     def files(tmp: Path) -> None:
@@ -102,7 +125,10 @@ def write(loaded: LoadedRun, final: Path) -> Path:
         save_file(ci, str(tmp / "ci_fn.safetensors"))
         (tmp / "manifest.json").write_text(json.dumps(manifest(loaded, ci), indent=1))
 
-    storage.write_dir(final, files)
+    if not final.exists():
+        storage.write_dir(final, files)
+        return final
+    storage.replace_files(final, FILES, files)
     return final
 
 
@@ -120,10 +146,9 @@ def parser() -> Parser:
 def main(argv: Sequence[str]) -> int:
     args = parser().parse_args(argv)
     out = Path(args.output) if args.output else Path(args.run_dir) / OUT_DIR
-    if out.exists() and not (out.is_dir() and (not any(out.iterdir())
-                                               or (out / "manifest.json").is_file())):
-        return refuse(PROG, f"-o {out}: exists and is not an export; give a new or empty "
-                            "directory")
+    if why := output_problem(out):
+        return refuse(PROG, f"-o {out}: {why}; give a new or empty directory, or an earlier "
+                            "export")
     try:
         loaded = load_run(args.run_dir, log=lambda line: print(line, file=sys.stderr),
                           whole_state=False)

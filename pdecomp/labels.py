@@ -30,6 +30,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from pdecomp import storage
 from pdecomp.commands import Parser, progress_bar, refuse
 from pdecomp.exits import EXIT_BAD_CONFIG
 
@@ -40,7 +41,8 @@ LABEL_CHARS = 120
 
 
 class KeyRefused(Exception):
-    """The API refused the key or the request itself (4xx other than a rate limit)."""
+    """The API refused the key or the request itself (4xx other than a rate limit), or
+    answered with something other than a chat completion."""
 
 
 def read_labels(run_dir: Path) -> dict[tuple[str, int], str]:
@@ -50,13 +52,22 @@ def read_labels(run_dir: Path) -> dict[tuple[str, int], str]:
     path = run_dir / FILE
     if not path.is_file():
         return out
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            r = json.loads(line)
-            out[(r["site"], int(r["component"]))] = r["label"]
+    for line in path.read_bytes().splitlines():
+        try:  # bytes: a line cut mid-character is skipped like any other cut line
+            r = json.loads(line.decode("utf-8"))
+            out[(str(r["site"]), int(r["component"]))] = str(r["label"])
         except (ValueError, KeyError, TypeError):
             continue
     return out
+
+
+def _without_cut_line(path: Path) -> None:
+    """Drop a last line cut short by a stop (no newline after it), so the labels appended
+    next start on a line of their own."""
+    if not path.is_file() or not (data := path.read_bytes()) or data.endswith(b"\n"):
+        return
+    with path.open("r+b") as f:
+        f.truncate(data.rfind(b"\n") + 1)
 
 
 def _tokens(items: Sequence[dict[str, Any]] | None) -> str:
@@ -95,7 +106,7 @@ def ask(base: str, key: str, model: str, prompt: str, timeout: float = 60) -> st
     for attempt in range(RETRIES):
         try:
             with urllib.request.urlopen(request, timeout=timeout) as r:
-                text = json.load(r)["choices"][0]["message"]["content"] or ""
+                text = _content(base, r.read())
             return (text.strip().splitlines() or [""])[0].strip()[:LABEL_CHARS]
         except urllib.error.HTTPError as e:
             if e.code != 429 and e.code < 500:
@@ -106,6 +117,20 @@ def ask(base: str, key: str, model: str, prompt: str, timeout: float = 60) -> st
         if attempt + 1 < RETRIES:
             time.sleep(min(wait, 60))
     raise ConnectionError(f"{base}: no answer after {RETRIES} attempts")
+
+
+def _content(base: str, body: bytes) -> str:
+    """The first choice's message of a chat completion; KeyRefused, saying what came
+    instead, when `body` is not one (an HTML page, an error object, another API's JSON)."""
+    try:
+        text = json.loads(body)["choices"][0]["message"]["content"]
+        if text is not None and not isinstance(text, str):
+            raise TypeError(type(text).__name__)
+        return text or ""
+    except (ValueError, KeyError, IndexError, TypeError):
+        shown = " ".join(body[:80].decode("utf-8", "replace").split())
+        raise KeyRefused(f"{base}: not an OpenAI-compatible chat completion (the answer began "
+                         f"{shown!r}); check --api-base") from None
 
 
 def todo(run_dir: Path, limit: int | None, done: dict[tuple[str, int], str]
@@ -128,15 +153,16 @@ def label_all(run_dir: Path, jobs: list[tuple[str, dict[str, Any]]],
     n = 0
     if not jobs:
         return n
-    with (ThreadPoolExecutor(workers) as pool, (run_dir / FILE).open("a", encoding="utf-8")
-          as out):
+    _without_cut_line(run_dir / FILE)
+    with ThreadPoolExecutor(workers) as pool:
         futures = {pool.submit(answer, prompt_for(s, r)): (s, r["component"]) for s, r in jobs}
         try:
             for f in as_completed(futures):
                 site, c = futures[f]
-                out.write(json.dumps({"site": site, "component": c, "label": f.result(),
-                                      "model": model}, ensure_ascii=False) + "\n")
-                out.flush()
+                line = json.dumps({"site": site, "component": c, "label": f.result(),
+                                   "model": model}, ensure_ascii=False) + "\n"
+                with (run_dir / FILE).open("a", encoding="utf-8") as out:  # made by a label
+                    out.write(line)
                 n += 1
                 progress(n, len(jobs))
         except BaseException:
@@ -166,6 +192,7 @@ def main(argv: Sequence[str]) -> int:
     run_dir = Path(args.run_dir).absolute()
     key = os.environ.get(args.api_key_env, "")
     tables = sorted((run_dir / "analysis" / "components").glob("*.parquet"))
+    unwritable = storage.unwritable(run_dir)
     for bad, line in (
             (not tables,
              f"{run_dir}: no analysis/components/*.parquet (run `pdecomp analyze` on it first)"),
@@ -174,7 +201,9 @@ def main(argv: Sequence[str]) -> int:
             (not key, (f"no key in ${args.api_key_env}: set it (or name another variable with "
                       "--api-key-env)")),
             (args.limit is not None and args.limit < 1, f"--limit={args.limit} must be >= 1"),
-            (args.workers < 1, f"--workers={args.workers} must be >= 1")):
+            (args.workers < 1, f"--workers={args.workers} must be >= 1"),
+            (tables and unwritable,
+             f"{run_dir}: {unwritable}; the labels are written in the run directory")):
         if bad:
             return refuse(PROG, line)
     jobs = list(todo(run_dir, args.limit, read_labels(run_dir)))

@@ -19,7 +19,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from pdecomp import metrics
+from pdecomp import metrics, storage
 from pdecomp.analyze import Tokens, reads_tokens
 from pdecomp.commands import Parser, refuse
 from pdecomp.runs import LoadedRun, RunDirError, load_run
@@ -45,9 +45,7 @@ def encode(tokenizer_dir: str, text: str) -> list[int] | None:
     path = Path(tokenizer_dir) / "tokenizer.json"
     if not path.is_file():
         return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(path)).encode(text).ids
+    return storage.read_tokenizer(path).encode(text).ids
 
 
 def parser() -> Parser:

@@ -36,11 +36,6 @@ def write_config(run: Run, run_dir: Path) -> None:
                        yaml.safe_dump(plain, sort_keys=False, allow_unicode=True))
 
 
-def read_json(path: Path) -> Any:
-    """A JSON file's value; None where there is no file."""
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
 def _jsonable(x: Any) -> Any:
     if isinstance(x, (np.generic, jax.Array)):
         return np.asarray(x).tolist()

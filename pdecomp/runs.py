@@ -9,6 +9,7 @@ Everything is placed on one device, whatever mesh the run trained on.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -16,21 +17,22 @@ from typing import Any
 
 import jax
 import numpy as np
-import yaml
 from jax.sharding import Mesh
 
 from pdecomp import older_layout, sharding
 from pdecomp.checkpoint import Checkpointer, complete_steps
 from pdecomp.components import Components, with_tied
 from pdecomp.config import RunConfig
+from pdecomp.exits import Refused
 from pdecomp.kinds import kind_of, run_config
 from pdecomp.resolve import Run, resolve
-from pdecomp.rundir import CONFIG_FILE, RUN_FILE, read_json
+from pdecomp.rundir import CONFIG_FILE, RUN_FILE
 from pdecomp.shapes import abstract_run, load_target
+from pdecomp.storage import DamagedFile, read_json, read_yaml
 from pdecomp.train import TrainState
 
 
-class RunDirError(ValueError):
+class RunDirError(Refused):
     """A directory `load_run` cannot open; `str()` names it and says why, in one line."""
 
 
@@ -59,12 +61,25 @@ def read_config(run_dir: Path) -> RunConfig:
     (config.yaml) in a run directory from before run.json."""
     record = read_json(run_dir / RUN_FILE)
     if record is not None:
-        return run_config(record["config"])
+        return _config_in(run_dir / RUN_FILE, lambda: record["config"])
     path = run_dir / CONFIG_FILE
     if not path.is_file():
         why = "does not exist" if not run_dir.is_dir() else f"has no {CONFIG_FILE}"
         raise RunDirError(f"{run_dir}: not a pdecomp run directory ({why})")
-    return run_config(_model_of_its_kind(yaml.safe_load(path.read_text())))
+    return _config_in(path, lambda: _model_of_its_kind(read_yaml(path)))
+
+
+def _config_in(path: Path, data: Callable[[], Any]) -> RunConfig:
+    """The RunConfig `data()` holds; RunDirError naming `path` where it is not one (a file
+    edited by hand, or of another program)."""
+    try:
+        return run_config(data())
+    except DamagedFile:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise RunDirError(f"{path}: not a run's config as pdecomp wrote it ({why}); restore "
+                          "it") from None
 
 
 def _model_of_its_kind(data: Any) -> Any:
@@ -117,33 +132,23 @@ def placed_abstract(run: Run, mesh: Mesh) -> tuple[Any, TrainState]:
 
 def load_run(run_dir: str | Path, log: Callable[[str], None] = print,
              mesh: Mesh | None = None, whole_state: bool = True) -> LoadedRun:
-    """The run in `run_dir` at its latest checkpoint, on `mesh` (default: one device) in
+    """The run in `run_dir` at its newest readable checkpoint, on `mesh` (default: one device) in
     the shardings its `mesh.rules` give there. Without `whole_state`, only the components
     and the CI function are read (`state` is None): what an analysis needs, a third of what
     training keeps. Raises RunDirError for a directory that is not a run or has no
-    checkpoint. `log` hears about a toy target being trained (when the cache has none)."""
+    readable checkpoint. `log` hears about a toy target being trained (when the cache has
+    none) and about a damaged checkpoint passed over for the one before."""
     run_dir = Path(run_dir).absolute()
     run = resolve(read_config(run_dir))
     ckpt_dir = checkpoints_of(run_dir, whole_state)
     mesh = mesh or analysis_mesh(1)
     target_abs, state_abs = placed_abstract(run, mesh)
-    ckpt = Checkpointer(ckpt_dir)
+    ckpt = Checkpointer(ckpt_dir, quiet=True)
     try:
-        step = ckpt.latest_step()
-        assert step is not None  # checkpoints_of found one
-        fields = {"components": state_abs.components, "ci_fn": state_abs.ci_fn}
-        if not whole_state and ckpt.older_layout(step):
-            state, parts = None, _restacked(run_dir, ckpt.item_dir(step), fields, step)
-        elif why := ckpt.mismatch(state_abs, step, () if whole_state else tuple(fields)):
-            raise RunDirError(f"{run_dir}: its checkpoint at step {step} {why}")
-        elif whole_state:
-            state = ckpt.restore(state_abs, step)
-            parts = {"components": state.components, "ci_fn": state.ci_fn}
-        else:
-            state, parts = None, ckpt.restore_fields(fields, step)
-        components, ci_fn = parts["components"], parts["ci_fn"]
+        state, parts, step = _newest_readable(run_dir, ckpt, state_abs, whole_state, log)
     finally:
         ckpt.close()
+    components, ci_fn = parts["components"], parts["ci_fn"]
     target, _ = load_target(run, target_abs, log)
     return LoadedRun(run_dir=run_dir, run=run, target=target,
                      components=with_tied(components, dict(run.tied)), ci_fn=ci_fn,
@@ -151,6 +156,42 @@ def load_run(run_dir: str | Path, log: Callable[[str], None] = print,
                      history=read_json(run_dir / "history.json") or [],
                      summary=read_json(run_dir / "summary.json"),
                      gate=read_json(run_dir / "gate.json"))
+
+
+def _newest_readable(run_dir: Path, ckpt: Checkpointer, state_abs: TrainState,
+                     whole_state: bool, log: Callable[[str], None]
+                     ) -> tuple[TrainState | None, dict[str, Any], int]:
+    """(the whole state or None, the components and CI function, the step) of the newest
+    checkpoint that can be read. A damaged one is passed over with a line to `log`, as
+    training passes over it (a reader moves nothing aside); RunDirError when none can be
+    read, or when one holds another run's state."""
+    skipped = []
+    for step in ckpt.steps_newest_first():
+        try:
+            return (*_read_step(run_dir, ckpt, state_abs, step, whole_state), step)
+        except (RunDirError, MemoryError):
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever orbax raises on damaged files
+            why = f"{type(e).__name__}: {textwrap.shorten(str(e).strip(), 160)}"
+            ckpt.read_failed()
+            log(f"checkpoint at step {step} cannot be read ({why}); reading the one before")
+            skipped.append(f"step {step}")
+    raise RunDirError(f"{run_dir}: no checkpoint can be read ({', '.join(skipped)} damaged)")
+
+
+def _read_step(run_dir: Path, ckpt: Checkpointer, state_abs: TrainState, step: int,
+               whole_state: bool) -> tuple[TrainState | None, dict[str, Any]]:
+    """The checkpoint at `step`: the whole state (or None) and its components and CI
+    function; RunDirError where it holds another run's state."""
+    fields = {"components": state_abs.components, "ci_fn": state_abs.ci_fn}
+    if not whole_state and ckpt.older_layout(step):
+        return None, _restacked(run_dir, ckpt.item_dir(step), fields, step)
+    if why := ckpt.mismatch(state_abs, step, () if whole_state else tuple(fields)):
+        raise RunDirError(f"{run_dir}: its checkpoint at step {step} {why}")
+    if whole_state:
+        state = ckpt.restore(state_abs, step)
+        return state, {"components": state.components, "ci_fn": state.ci_fn}
+    return None, ckpt.restore_fields(fields, step)
 
 
 def _restacked(run_dir: Path, item_dir: Path, fields: dict[str, Any], step: int

@@ -5,15 +5,66 @@ costs no finished work: each file is written whole or not at all, and the failur
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from pdecomp.exits import Refused
 
 # tensorstore (orbax's array writer) reports the errno in its message, not as an OSError.
 _OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+
+
+class DamagedFile(Refused):
+    """A file a command reads is not what pdecomp wrote there (cut short, edited by hand, of
+    another format): `str()` is one line naming it and what is wrong."""
+
+
+def read_json(path: Path, missing_ok: bool = True) -> Any:
+    """A JSON file's value; None where there is no file (when `missing_ok`). DamagedFile,
+    naming the file, for one that is not JSON or cannot be read."""
+    if missing_ok and not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError alike
+        raise DamagedFile(f"{path}: damaged, not JSON ({_first_line(e)}); restore it or "
+                          "remove it") from None
+    except OSError as e:
+        raise DamagedFile(f"{path}: cannot be read ({e.strerror})") from None
+
+
+def read_yaml(path: Path) -> Any:
+    """A YAML file's value; DamagedFile, naming the file, for one that is not YAML."""
+    import yaml
+
+    try:
+        return yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except (ValueError, yaml.YAMLError) as e:
+        raise DamagedFile(f"{path}: damaged, not YAML ({_first_line(e)}); restore it") from None
+    except OSError as e:
+        raise DamagedFile(f"{path}: cannot be read ({e.strerror})") from None
+
+
+def read_tokenizer(path: Path) -> Any:
+    """A Hugging Face `tokenizer.json` as a `tokenizers.Tokenizer`; DamagedFile, naming the
+    file, for one the tokenizers package cannot read."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - the tokenizers package raises bare Exceptions
+        raise DamagedFile(f"{path}: not a tokenizer the tokenizers package reads "
+                          f"({_first_line(e)}); restore it") from None
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 class WriteFailed(Exception):
@@ -37,6 +88,23 @@ def storage_error(e: BaseException) -> str | None:
         if code:
             return os.strerror(code).lower()
         cur = cur.__cause__ or cur.__context__
+    return None
+
+
+def unwritable(path: Path) -> str | None:
+    """Why `path` (a directory, there or to be made) cannot be made and written in, or None.
+    Found for real: a directory is made (and removed) where the first missing part of
+    `path` would go, so a read-only file system, missing permissions and a file in the way
+    are all caught."""
+    existing = path
+    while not (existing.exists() or existing.is_symlink()):
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".pdecomp-", dir=existing))
+    except OSError as e:
+        return f"cannot make a directory in {existing}: {e.strerror}"
     return None
 
 
@@ -77,6 +145,25 @@ def write_dir(final: Path, write: Callable[[Path], None]) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def replace_files(final: Path, names: tuple[str, ...], write: Callable[[Path], None]) -> None:
+    """`write(tmp)` into a fresh directory inside `final`, then each of `names` renamed over
+    its own in `final`: every other file of `final` is left as it was, and a failed write
+    leaves all of `names` as they were."""
+    tmp = final / ".write-failed"
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=".write-", dir=final))
+        write(tmp)
+        for name in names:
+            (tmp / name).replace(final / name)
+    except Exception as e:
+        why = storage_error(e)
+        if why is None:
+            raise
+        raise WriteFailed(f"cannot write {final}: {why}") from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_text(path: Path, text: str) -> Path:

@@ -222,7 +222,12 @@ def main(argv: Sequence[str], ready: threading.Event | None = None) -> int:
                       "`pdecomp analyze` on it first)")
     if not 0 <= args.port < 65536:
         return refuse("pdecomp view", f"--port={args.port} must be in 0..65535")
-    server = serve(run_dir, args.host, args.port)
+    try:
+        server = serve(run_dir, args.host, args.port)
+    except OSError as e:  # a port in use or refused, a host that does not resolve
+        why = e.strerror or str(e)
+        return refuse("pdecomp view", f"--host={args.host} --port={args.port}: cannot listen "
+                      f"there ({why}); give a free port (0: any) or a local address")
     print(f"http://{args.host}:{server.server_address[1]}/", flush=True)
     if ready:
         ready.set()
