@@ -16,8 +16,8 @@ them on a GPU machine with no network; docs in `bench/RESULTS.md`, "On a GPU"):
   16, 20, 24 and 28 (12 sites, C = 1024) with the robust recipe (persistent PGD with one
   source per example and position, 2 warm-up ascents, the CI function's gradients clipped
   at 1) for `--steps`; reported as VPD reports: CE of the target and by mask, fresh-PGD KL
-  after 20/40/80/160 ascents (sources shared by the batch, as VPD's, then one per example)
-  against the KL of zero-ablating the same sites, L0 per position, live components; the
+  after 20/40/80/160 ascents (one source for the whole batch and every position, as VPD's;
+  then one per token) against the KL of zero-ablating the same sites, L0 per position, live components; the
   loss curves as a plot. The run's summary is written before the slower curve.
 
 `--reduced`: each phase at CPU size (random weights of 4 layers, a few steps): what
@@ -54,7 +54,7 @@ REDUCED_SPEED = ["data.seq_len=32",
                  "layers.sites=[layers.3.mlp.gate_proj,layers.3.mlp.up_proj,layers.3.mlp.down_proj]"]
 QUALITY_LAYERS = (16, 20, 24, 28)
 PGD_STEPS = (20, 40, 80, 160)
-PGD_SCOPES = ("batch_shared", "per_example")
+PGD_SCOPES = ("shared", "per_token")
 
 
 def pdecomp_cmd() -> list[str]:
@@ -344,7 +344,7 @@ def quality_job(reduced: bool, steps: int, batch: int = 16) -> list[str]:
     return ["+experiment=smollm2_l28", f"layers.sites=[{','.join(sites)}]",
             f"layers.C={64 if reduced else 1024}",
             f"loss.recon.chunkwise.sites_per_chunk={len(sites)}",
-            "loss.pgd.coeff=0.5", "loss.pgd.scope=per_example", "loss.pgd.n_warmup=2",
+            "loss.pgd.coeff=0.5", "loss.pgd.scope=per_token", "loss.pgd.n_warmup=2",
             "optim.ci_fn.clip_norm=1.0", f"data.batch_size={2 if reduced else batch}",
             *(["data.seq_len=32"] if reduced else []), f"optim.steps={steps}",
             f"logging.log_every={max(steps // 25, 1)}"]
@@ -385,7 +385,7 @@ def quality(args: argparse.Namespace) -> dict:
     over = [*quality_job(args.reduced, args.steps, args.batch),
             *([f"model.path={args.model}"] if args.model else ["model.n_layers=4"]),
             *([f"data.path={args.data}"] if args.data else ["data.source=synthetic"]),
-            "loss.eval_pgd.scope=batch_shared", "logging.plots=true",
+            "loss.eval_pgd.scope=shared", "logging.plots=true",
             *(["data.eval_batches=1", "loss.eval_pgd.n_steps=2"] if args.reduced else [])]
     if args.evaluate_only:  # a run trained before: its summary and the curve only
         row = {"evaluated_again": str(run_dir)}

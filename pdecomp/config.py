@@ -191,7 +191,7 @@ class PGDConfig:
     ascended to make the all-sites-live forward as unfaithful as possible."""
 
     coeff: float = 0.0  # 0: off
-    scope: str = "batch_shared"  # a name in pdecomp.train.PGD_SCOPES
+    scope: str = "per_position"  # a name in pdecomp.masks.PGD_SCOPES
     # a name in pdecomp.adversary.PGD_OPTIMIZERS; adam with b1 0.5, b2 0.99, eps 1e-8
     optimizer: str = "adam"
     lr: float = 0.01
@@ -201,15 +201,14 @@ class PGDConfig:
 
 @dataclass(frozen=True)
 class EvalPGDConfig:
-    """Fresh (non-persistent) PGD in the final evaluation (LMs): sources drawn anew for
-    every batch, one per component and `scope` (per_example: every example and position;
-    batch_shared: every position, shared by the batch's examples, as the published VPD
-    evaluation draws them), then `n_steps` sign ascents of `step_size` on the KL, each
-    followed by a clamp to [0, 1]. 0 steps: off."""
+    """Fresh (non-persistent) PGD in evaluation (LMs): sources drawn anew for every batch,
+    one per component and `scope` (shared: one for the whole batch and every position, as
+    the published figures draw them; per_position; per_token), then `n_steps` sign ascents
+    of `step_size` on the KL, each followed by a clamp to [0, 1]. 0 steps: off."""
 
     n_steps: int = 20
     step_size: float = 0.1
-    scope: str = "per_example"  # a name in pdecomp.masks.PGD_SCOPES
+    scope: str = "shared"  # a name in pdecomp.masks.PGD_SCOPES
 
 
 @dataclass(frozen=True)
@@ -389,6 +388,13 @@ class WandbConfig:
 class LoggingConfig:
     log_every: int = 100
     ckpt_every: int = 2000  # 0: only at the end
+    # Evaluation in the loop, on the final evaluation's held-out batches (0: off): every
+    # `eval_every` steps the fast tier (live and L0 per site, a kind's own metrics: CE and KL
+    # under each mask and the fresh adversary's KL for an LM), as `eval/...` in history.json
+    # and wandb; every `slow_eval_every` steps the slow tier, plots of the CI's distribution
+    # and of each component's firing density (`eval/<step>/`).
+    eval_every: int = 0
+    slow_eval_every: int = 0
     # How often the processes of a job agree whether a scheduler asked them to stop (a
     # collective; SLURM warns `signal_delay_s` ahead, which must cover this many steps).
     stop_check_every: int = 10

@@ -163,14 +163,20 @@ def group_parts(key: PRNGKeyArray, live: Sequence[str], layout: Groups, source: 
         for g, ss in members.items()}
 
 
-# An adversary's source shapes by scope (`loss.pgd.scope`, `loss.eval_pgd.scope`): (positions, C) -> shape.
-# global: one source for everything; batch_shared: one per position, shared by the batch's
-# examples; per_example: one per example and position.
+# An adversary's source shapes by scope (`loss.pgd.scope`, `loss.eval_pgd.scope`), named for
+# what one source is shared by: (positions, C) -> shape. shared: one source for the whole
+# batch and every position ([1, 1, C+1]: the published fresh adversary, which shares on
+# purpose, as a per-token one can exploit uncorrelated interference noise); per_position:
+# one per position, shared by the batch's examples; per_token: one per example and position.
 PGD_SCOPES: dict[str, Callable[[tuple[int, ...], int], tuple[int, ...]]] = {
-    "global": lambda pos, C: (*(1 for _ in pos), C + 1),
-    "batch_shared": lambda pos, C: (1, *pos[1:], C + 1),
-    "per_example": lambda pos, C: (*pos, C + 1),
+    "shared": lambda pos, C: (*(1 for _ in pos), C + 1),
+    "per_position": lambda pos, C: (1, *pos[1:], C + 1),
+    "per_token": lambda pos, C: (*pos, C + 1),
 }
+# The names these scopes had in run directories written before they were named for what
+# they share ("batch_shared" was one per position, not one for the batch).
+OLD_SCOPE_NAMES = {"global": "shared", "batch_shared": "per_position",
+                   "per_example": "per_token"}
 
 
 def pgd_source_shape(scope: str, pos: tuple[int, ...], C: int) -> tuple[int, ...]:

@@ -206,7 +206,9 @@ def mask_metrics_program(sites: tuple[str, ...], threshold: float, delta: bool, 
 def ci_summary(target, components: Components, ci_fn, batches: Iterable[Array],
                threshold: float, replicated: Sharding
                ) -> dict[str, dict[str, np.ndarray | float]]:
-    """Per site: max and mean CI per component over the batches, L0 and live components.
+    """Per site: max and mean CI per component over the batches, each component's firing
+    density (the share of rows where its CI is above the threshold), L0, live components,
+    and the CI values' histogram over CI_HIST_EDGES (every row and component).
 
     A component is live when its CI exceeds the threshold on some input. `replicated` (the
     mesh's fully replicated sharding) lets every process of a multi-process job read the
@@ -217,20 +219,29 @@ def ci_summary(target, components: Components, ci_fn, batches: Iterable[Array],
         for s, v in causal_importances(target, components, ci_fn, x).items():
             v = v.reshape(-1, v.shape[-1])
             # per component: a count over every row and component could pass 2**31 at LM sizes
-            out[s] = (v.max(0), v.sum(0), (v > threshold).sum(0), v.shape[0])
+            hist = jnp.histogram(v, jnp.asarray(CI_HIST_EDGES, v.dtype))[0]
+            out[s] = (v.max(0), v.sum(0), (v > threshold).sum(0), hist, v.shape[0])
         return out
 
     reduce_jit = jax.jit(reduce, out_shardings=replicated)
     acc: dict[str, dict] = {}
     n = 0
     for x in batches:
-        for s, (vmax, vsum, active, rows) in reduce_jit(target, components, ci_fn, x).items():
+        for s, (vmax, vsum, active, hist, rows) in reduce_jit(target, components, ci_fn,
+                                                             x).items():
             vmax, vsum = np.asarray(vmax, np.float64), np.asarray(vsum, np.float64)
             a = acc.setdefault(s, {"max": np.zeros(vmax.shape), "sum": np.zeros(vmax.shape),
-                                   "l0": 0.0})
+                                   "active": np.zeros(vmax.shape),
+                                   "hist": np.zeros(len(CI_HIST_EDGES) - 1)})
             a["max"] = np.maximum(a["max"], vmax)
             a["sum"] += vsum
-            a["l0"] += float(np.asarray(active, np.float64).sum())
+            a["active"] += np.asarray(active, np.float64)
+            a["hist"] += np.asarray(hist, np.float64)
         n += int(rows)
-    return {s: {"max_ci": a["max"], "mean_ci": a["sum"] / n, "l0": a["l0"] / n,
+    return {s: {"max_ci": a["max"], "mean_ci": a["sum"] / n, "density": a["active"] / n,
+                "l0": float(a["active"].sum()) / n, "ci_hist": a["hist"],
                 "live": int((a["max"] > threshold).sum())} for s, a in acc.items()}
+
+
+# The CI histogram's bins: log-spaced near 0, where most of a sparse decomposition's CI lies.
+CI_HIST_EDGES = (0.0, 1e-4, 1e-3, 1e-2, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0)

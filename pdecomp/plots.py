@@ -4,6 +4,7 @@ a sweep's jobs, saved in the sweep directory."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import pairwise
 from pathlib import Path
 
@@ -45,6 +46,33 @@ def plot_mean_ci(ci: dict[str, dict], path: Path, threshold: float) -> Path:
     axes[-1, 0].set_xlabel("component (sorted by mean CI)")
     fig.tight_layout()
     _save(fig, path, dpi=120)
+    return path
+
+
+def plot_ci_distribution(ci: dict[str, dict], folder: Path, threshold: float,
+                         edges: Sequence[float]) -> Path:
+    """The slow tier of the in-loop evaluation, one row per site: the histogram of every CI
+    value over `edges` (left) and of the components' firing densities, log-spaced (right)."""
+    sites = list(ci)
+    fig, axes = plt.subplots(len(sites), 2, figsize=(10, 2.2 * len(sites)), squeeze=False)
+    for (a, b), s in zip(axes, sites):
+        hist = ci[s]["ci_hist"]
+        a.bar(np.arange(len(hist)), hist / max(hist.sum(), 1), color="tab:blue")
+        a.set_xticks(np.arange(len(hist)), [f"<{e:g}" for e in edges[1:]],
+                     fontsize=6, rotation=45)
+        a.set_yscale("log")
+        a.set_title(f"{s}: CI values (share of rows x components)", fontsize=9)
+        density = ci[s]["density"]
+        dead = int((density == 0).sum())
+        bins = np.logspace(-6, 0, 25)
+        b.hist(np.clip(density[density > 0], 1e-6, 1), bins=bins, color="tab:orange")
+        b.set_xscale("log")
+        b.set_title(f"{s}: firing density (CI > {threshold}); {dead} never fire", fontsize=9)
+    axes[-1, 1].set_xlabel("share of positions a component fires on")
+    fig.tight_layout()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "ci_distribution.png"
+    _save(fig, path, dpi=110)
     return path
 
 

@@ -25,6 +25,7 @@ from pdecomp.components import Components, with_tied
 from pdecomp.config import RunConfig
 from pdecomp.exits import Refused
 from pdecomp.kinds import kind_of, run_config
+from pdecomp.masks import OLD_SCOPE_NAMES
 from pdecomp.resolve import Run, resolve
 from pdecomp.rundir import CONFIG_FILE, RUN_FILE
 from pdecomp.shapes import abstract_run, load_target
@@ -61,12 +62,12 @@ def read_config(run_dir: Path) -> RunConfig:
     (config.yaml) in a run directory from before run.json."""
     record = read_json(run_dir / RUN_FILE)
     if record is not None:
-        return _config_in(run_dir / RUN_FILE, lambda: record["config"])
+        return _config_in(run_dir / RUN_FILE, lambda: _scopes_renamed(record["config"]))
     path = run_dir / CONFIG_FILE
     if not path.is_file():
         why = "does not exist" if not run_dir.is_dir() else f"has no {CONFIG_FILE}"
         raise RunDirError(f"{run_dir}: not a pdecomp run directory ({why})")
-    return _config_in(path, lambda: _model_of_its_kind(read_yaml(path)))
+    return _config_in(path, lambda: _scopes_renamed(_model_of_its_kind(read_yaml(path))))
 
 
 def _config_in(path: Path, data: Callable[[], Any]) -> RunConfig:
@@ -80,6 +81,17 @@ def _config_in(path: Path, data: Callable[[], Any]) -> RunConfig:
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise RunDirError(f"{path}: not a run's config as pdecomp wrote it ({why}); restore "
                           "it") from None
+
+
+def _scopes_renamed(data: Any) -> Any:
+    """An adversary's scope under the name it has now, in a run directory written before
+    the scopes were named for what they share (masks.OLD_SCOPE_NAMES)."""
+    loss = data.get("loss") if isinstance(data, dict) else None
+    if not isinstance(loss, dict):
+        return data
+    renamed = {k: {**v, "scope": OLD_SCOPE_NAMES.get(v.get("scope"), v.get("scope"))}
+               if isinstance(v, dict) and "scope" in v else v for k, v in loss.items()}
+    return {**data, "loss": renamed}
 
 
 def _model_of_its_kind(data: Any) -> Any:

@@ -5,6 +5,7 @@ the checkpoint."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -17,10 +18,12 @@ import equinox as eqx
 import jax
 from jaxtyping import Array
 
-from pdecomp import hosts, sharding, storage
+from pdecomp import hosts, plots, sharding, storage
 from pdecomp.checkpoint import Checkpointer
+from pdecomp.evaluation import Learned, evaluate
 from pdecomp.gating import Gated, calibrate, measured_memory
 from pdecomp.hooks import Hooks
+from pdecomp.metrics import CI_HIST_EDGES
 from pdecomp.rundir import write_json
 from pdecomp.train import TrainState, faithfulness_warmup, init_state, scalars
 from pdecomp.units import GiB
@@ -80,6 +83,10 @@ def train(g: Gated, target: Any, state: TrainState, start: int, ckpt: Checkpoint
             log.record(g, done, m, ckpt)
             if hooks.on_metrics:
                 hooks.on_metrics(done, log.last)
+        if due(every.eval_every, done, steps) or due(every.slow_eval_every, done, steps):
+            log.evaluated(done, functools.partial(evaluate_now, g, target, state, done, run_dir))
+            if hooks.on_metrics:
+                hooks.on_metrics(done, log.history[-1])
         if done == start + run.gate.calibrate_after:
             calibrated(g, run_dir, done, hooks)
         if hooks.progress:
@@ -93,6 +100,25 @@ def train(g: Gated, target: Any, state: TrainState, start: int, ckpt: Checkpoint
             raise Interrupted(done, ckpt.directory)
     ckpt.close()
     return state, log.history
+
+
+def due(every: int, done: int, steps: int) -> bool:
+    """Whether something done every `every` steps (0: never) is due after step `done`."""
+    return bool(every) and (done % every == 0 or done == steps)
+
+
+def evaluate_now(g: Gated, target: Any, state: TrainState, done: int, run_dir: Path
+                 ) -> dict[str, float]:
+    """The in-loop evaluation after step `done`, on the final evaluation's held-out batches:
+    its figures as `eval/<key>` (the fast tier), and the slow tier's plots when due."""
+    run = g.run
+    summary, evaluated = evaluate(run, target, Learned(state.components, state.ci_fn),
+                                  g.batch_sharding)
+    if due(run.logging.slow_eval_every, done, run.optim.steps) and hosts.is_main_process():
+        plots.plot_ci_distribution(evaluated.ci, run_dir / "eval" / f"{done}",
+                                   run.loss.ci_threshold, CI_HIST_EDGES)
+    return {f"eval/{k}": float(v) for k, v in summary.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def calibrated(g: Gated, run_dir: Path, done: int, hooks: Hooks) -> None:
@@ -136,7 +162,8 @@ class MetricsLog:
                     if saved else "no checkpoint was written before it")
             raise NonFiniteLoss(f"non-finite loss at step {done}: {last}; {kept}")
         now = time.perf_counter()
-        n_steps = done - max(self.history[-1]["step"] if self.history else 0, self.start)
+        logged = [h["step"] for h in self.history if "perf/step_s" in h]
+        n_steps = done - max(logged[-1] if logged else 0, self.start)
         last["perf/step_s"] = (now - self.t_log) / n_steps
         last["perf/examples_per_s"] = g.run.batch.size / last["perf/step_s"]
         if tokens := g.run.kind.tokens_per_example(g.run.data):
@@ -147,6 +174,16 @@ class MetricsLog:
             last["hbm/peak_gib"], last["hbm/in_use_gib"] = (b / GiB for b in measured)
         self.history.append({"step": done, **last})
         self.last = last
+
+    def evaluated(self, done: int, evaluate: Callable[[], dict[str, float]]) -> None:
+        """The in-loop evaluation's figures of step `done`, in that step's entry; its time
+        is not counted in the steps' speed."""
+        t0 = time.perf_counter()
+        figures = evaluate()
+        self.t_log += time.perf_counter() - t0
+        if not (self.history and self.history[-1]["step"] == done):
+            self.history.append({"step": done})
+        self.history[-1].update(figures)
 
 
 def checkpoint(ckpt: Checkpointer, run_dir: Path, step: int, state: TrainState,

@@ -305,6 +305,12 @@ def _validate_memory_and_gate(cfg: RunConfig) -> None:
     check_positive("gate.calibrate_after", g.calibrate_after)
     check_positive("logging.log_every", cfg.logging.log_every)
     check_positive("logging.ckpt_every", cfg.logging.ckpt_every, zero_ok=True)
+    check_positive("logging.eval_every", cfg.logging.eval_every, zero_ok=True)
+    check_positive("logging.slow_eval_every", cfg.logging.slow_eval_every, zero_ok=True)
+    if (cfg.logging.eval_every or cfg.logging.slow_eval_every) and not cfg.data.eval_batches:
+        raise ConfigError("data.eval_batches", 0, "evaluation in the loop "
+                          "(logging.eval_every, slow_eval_every) needs held-out batches: "
+                          "give data.eval_batches >= 1")
     check_positive("logging.stop_check_every", cfg.logging.stop_check_every)
     if cfg.logging.wandb.mode:
         _choice("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)

@@ -44,9 +44,9 @@ def test_quality_phase_reports_as_vpd_does(tmp_path, env):
     assert result["steps"] == 3 and "error" not in result["run"]
     # the recipe: 6 MLP sites, persistent PGD per example, the CI function's clip
     over = result["overrides"]
-    assert "loss.pgd.scope=per_example" in over and "optim.ci_fn.clip_norm=1.0" in over
+    assert "loss.pgd.scope=per_token" in over and "optim.ci_fn.clip_norm=1.0" in over
     assert sum(k.startswith("l0/") for k in summary) == 6
-    assert set(curve) == {f"{s}/{n}" for s in ("batch_shared", "per_example") for n in (2, 4)}
+    assert set(curve) == {f"{s}/{n}" for s in ("shared", "per_token") for n in (2, 4)}
     assert all(math.isfinite(v["kl"]) and v["kl"] >= 0 for v in curve.values())
     table = "\n".join(result["table"])
     for kind in ("target", "unmasked", "stochastic", "rounded", "ci", "zero"):

@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent("""
     from test_lm import tiny_cfg, tokens
     from test_microbatches import LINEAR_ADAM
 
-    cfg = tiny_cfg(scope="batch_shared")
+    cfg = tiny_cfg(scope="per_position")
     layers = dc.replace(cfg.layers, ci_fn="global_transformer", ci_d_model=16, ci_blocks=1,
                         ci_heads=2, ci_mlp=32)
     cfg = dc.replace(cfg, layers=layers, data=dc.replace(cfg.data, batch_size=8),

@@ -41,7 +41,7 @@ from pdecomp.validation import validate
 SITES = [f"layers.{i}.mlp.{w}" for i in (1, 2) for w in ("gate_proj", "up_proj", "down_proj")]
 
 
-def tiny_cfg(scope: str = "batch_shared", optimizer: str = "adam", **memory) -> RunConfig:
+def tiny_cfg(scope: str = "per_position", optimizer: str = "adam", **memory) -> RunConfig:
     model = LlamaModelConfig(name="llama_t", vocab_size=64, d_embed=32, n_layers=4,
                         d_mlp=48, n_heads=4, n_kv_heads=2,
                         rope_scaling={"rope_type": "llama3", "factor": 8.0,
@@ -251,8 +251,8 @@ def test_kl_gradients_equal_autodiff_of_its_definition():
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("scope,shape", [("global", (1, 1, 9)), ("batch_shared", (1, 8, 9)),
-                                         ("per_example", (4, 8, 9))])
+@pytest.mark.parametrize("scope,shape", [("shared", (1, 1, 9)), ("per_position", (1, 8, 9)),
+                                         ("per_token", (4, 8, 9))])
 def test_source_scopes(scope, shape):
     assert pgd_source_shape(scope, (4, 8), 8) == shape
     cfg = tiny_cfg(scope)
@@ -323,8 +323,8 @@ def test_fresh_eval_pgd_starts_anew_ascends_and_reports_ce_and_kl(setup):
 @pytest.mark.slow  # 10-25 s: outside the quick tier (make test-fast)
 def test_a_fresh_adversary_s_trajectory_is_each_step_count_s_adversary(setup):
     """pgd_trajectory's masks after m ascents are fresh_pgd_masks' with n_steps = m (one
-    ascent serves VPD's 20/40/80/160 curve); batch_shared sources are one per position,
-    shared by the batch's examples, per_example ones are not; lm_pgd_curve reports the
+    ascent serves VPD's 20/40/80/160 curve); per_position sources are one per position,
+    shared by the batch's examples, per_token ones are not; lm_pgd_curve reports the
     trajectory's KL, rising with the ascents."""
     cfg, target, state = setup
     c = clean_forward(cfg, target, state)
@@ -334,7 +334,7 @@ def test_a_fresh_adversary_s_trajectory_is_each_step_count_s_adversary(setup):
         return losses.kl(c.suffix(c.resid, masked_linear(comps, masks)), c.clean_lp)
 
     key = jax.random.PRNGKey(3)
-    for scope in ("batch_shared", "per_example"):
+    for scope in ("per_position", "per_token"):
         pgd = EvalPGDConfig(6, 0.1, scope)
         path = pgd_trajectory(kl_of, c.lower, key, True, pgd, (2, 6))
         for m, masks in zip((2, 6), path):
@@ -342,9 +342,9 @@ def test_a_fresh_adversary_s_trajectory_is_each_step_count_s_adversary(setup):
             for s in masks:
                 np.testing.assert_array_equal(masks[s].mask, alone[s].mask)
         shared = [bool(jnp.all(m.delta_mask == m.delta_mask[:1])) for m in path[1].values()]
-        assert all(shared) == (scope == "batch_shared")
+        assert all(shared) == (scope == "per_position")
     curve = lm_pgd_curve(target, comps, state.ci_fn, [tokens(cfg)], key, True, jnp.float32,
-                         EvalPGDConfig(8, 0.1, "per_example"), (0, 8))
+                         EvalPGDConfig(8, 0.1, "per_token"), (0, 8))
     assert curve[8] > curve[0] > 0
 
 

@@ -63,7 +63,7 @@ def test_llama_tiny_step_over_microbatches_is_the_whole_batch_step():
     """Chunkwise uniform-k recon, persistent PGD (2 warmup ascents, sources shared by the
     batch, so every ascent sums all microbatches' gradients) and the global CI transformer,
     as the llama_tiny preset runs them; 4 microbatches of 2 sequences."""
-    cfg = tiny_cfg(scope="batch_shared")
+    cfg = tiny_cfg(scope="per_position")
     layers = dc.replace(cfg.layers, ci_fn="global_transformer", ci_d_model=16, ci_blocks=1,
                         ci_heads=2, ci_mlp=32)
     cfg = dc.replace(cfg, layers=layers, data=dc.replace(cfg.data, batch_size=8),
