@@ -51,6 +51,7 @@ def evaluate(run: Run, target: Any, state: Learned | TrainState,
     for s, v in ci.items():
         summary[f"live/{s}"] = v["live"]
         summary[f"l0/{s}"] = v["l0"]
+        summary[f"l0_any/{s}"] = v["l0_any"]
     summary.update(kind.evaluate(run.model, run.evaluation, target, components, ci_fn,
                                  batches, eval_key, ci))
     return summary, Evaluated(target, components, ci)

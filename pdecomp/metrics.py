@@ -207,7 +207,8 @@ def ci_summary(target, components: Components, ci_fn, batches: Iterable[Array],
                threshold: float, replicated: Sharding
                ) -> dict[str, dict[str, np.ndarray | float]]:
     """Per site: max and mean CI per component over the batches, each component's firing
-    density (the share of rows where its CI is above the threshold), L0, live components,
+    density (the share of rows where its CI is above the threshold), L0 (components above
+    the threshold per row; `l0_any`: above 0, as the published figures count), live components,
     and the CI values' histogram over CI_HIST_EDGES (every row and component).
 
     A component is live when its CI exceeds the threshold on some input. `replicated` (the
@@ -220,26 +221,29 @@ def ci_summary(target, components: Components, ci_fn, batches: Iterable[Array],
             v = v.reshape(-1, v.shape[-1])
             # per component: a count over every row and component could pass 2**31 at LM sizes
             hist = jnp.histogram(v, jnp.asarray(CI_HIST_EDGES, v.dtype))[0]
-            out[s] = (v.max(0), v.sum(0), (v > threshold).sum(0), hist, v.shape[0])
+            out[s] = (v.max(0), v.sum(0), (v > threshold).sum(0), (v > 0).sum(), hist,
+                      v.shape[0])
         return out
 
     reduce_jit = jax.jit(reduce, out_shardings=replicated)
     acc: dict[str, dict] = {}
     n = 0
     for x in batches:
-        for s, (vmax, vsum, active, hist, rows) in reduce_jit(target, components, ci_fn,
-                                                             x).items():
+        for s, (vmax, vsum, active, nonzero, hist, rows) in reduce_jit(
+                target, components, ci_fn, x).items():
             vmax, vsum = np.asarray(vmax, np.float64), np.asarray(vsum, np.float64)
             a = acc.setdefault(s, {"max": np.zeros(vmax.shape), "sum": np.zeros(vmax.shape),
                                    "active": np.zeros(vmax.shape),
-                                   "hist": np.zeros(len(CI_HIST_EDGES) - 1)})
+                                   "hist": np.zeros(len(CI_HIST_EDGES) - 1), "nonzero": 0.0})
             a["max"] = np.maximum(a["max"], vmax)
             a["sum"] += vsum
             a["active"] += np.asarray(active, np.float64)
             a["hist"] += np.asarray(hist, np.float64)
+            a["nonzero"] += float(nonzero)
         n += int(rows)
     return {s: {"max_ci": a["max"], "mean_ci": a["sum"] / n, "density": a["active"] / n,
-                "l0": float(a["active"].sum()) / n, "ci_hist": a["hist"],
+                "l0": float(a["active"].sum()) / n, "l0_any": a["nonzero"] / n,
+                "ci_hist": a["hist"],
                 "live": int((a["max"] > threshold).sum())} for s, a in acc.items()}
 
 
