@@ -10,7 +10,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 from rich.table import Table
@@ -18,6 +17,7 @@ from rich.table import Table
 from launcher import outcome, slurm_jobs
 from launcher.console import make_console
 from pdecomp.plots import plot_gate_sweep
+from pdecomp.storage import DamagedFile, read_json, read_yaml
 from pdecomp.units import GiB
 
 # The result columns shown when present in a run's summary.json, in this order.
@@ -42,8 +42,9 @@ def job_dirs(sweep_dir: Path) -> dict[int, Path]:
     for root, dirs, _ in os.walk(sweep_dir):
         if ".hydra" in dirs and Path(root) != sweep_dir:
             hydra_yaml = Path(root) / ".hydra" / "hydra.yaml"
-            num = (yaml.safe_load(hydra_yaml.read_text()) or {}).get("hydra", {}).get(
-                "job", {}).get("num") if hydra_yaml.is_file() else None
+            record = read_yaml(hydra_yaml) if hydra_yaml.is_file() else None
+            num = ((record or {}).get("hydra") or {}).get("job", {}).get("num") \
+                if isinstance(record, dict) else None
             if not isinstance(num, int) and Path(root).name.isdigit():
                 num = int(Path(root).name)
             if isinstance(num, int):
@@ -60,12 +61,14 @@ def collect(sweep_dir: Path, extra: dict[int, Path] | None = None) -> list[dict[
     rows = []
     for num, job_dir in sorted({**(extra or {}), **job_dirs(sweep_dir)}.items()):
         overrides_file = job_dir / ".hydra" / "overrides.yaml"
-        overrides = yaml.safe_load(overrides_file.read_text()) if overrides_file.exists() else []
+        overrides = (read_yaml(overrides_file) or []) if overrides_file.exists() else []
+        if not isinstance(overrides, list):
+            raise DamagedFile(f"{overrides_file}: not Hydra's record of overrides (a YAML "
+                              "list of strings); restore it")
         row: dict[str, Any] = {"job": num, "overrides": overrides, "dir": str(job_dir)}
         for name in ("summary.json", "gate.json"):
-            f = job_dir / name
-            if f.exists():
-                row[name] = json.loads(f.read_text())
+            if (record := read_json(job_dir / name)) is not None:
+                row[name] = record
         if ended := outcome.read(job_dir):
             row["outcome"] = ended
         rows.append(row)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pdecomp.exits import EXIT_BAD_CONFIG, EXIT_GATE_REFUSED
-from pdecomp.storage import write_text
+from pdecomp.storage import read_json, write_text
 
 FILE = "outcome.json"
 
@@ -26,8 +26,7 @@ def write(job_dir: Path, exit_code: int, reason: str) -> dict[str, Any]:
 
 
 def read(job_dir: Path) -> dict[str, Any] | None:
-    f = job_dir / FILE
-    return json.loads(f.read_text()) if f.exists() else None
+    return read_json(job_dir / FILE)
 
 
 def worst(codes: list[int]) -> int:

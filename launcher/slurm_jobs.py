@@ -18,7 +18,7 @@ from rich.console import Console
 
 from launcher import outcome
 from pdecomp.exits import EXIT_GATE_REFUSED
-from pdecomp.storage import write_text
+from pdecomp.storage import read_json, write_text
 
 FILE = "jobs.json"
 # SLURM states of a job that has not ended (a requeued job is pending again).
@@ -53,7 +53,7 @@ def write(sweep_dir: Path, submitted: dict[str, Any]) -> None:
 
 def load(sweep_dir: Path) -> dict[str, Any] | None:
     f = sweep_dir / FILE
-    return json.loads(f.read_text()) if f.is_file() else None
+    return read_json(f)
 
 
 def dirs(submitted: dict[str, Any]) -> dict[int, Path]:
@@ -110,7 +110,7 @@ def settle(job: Any, job_dir: Path, state: str) -> tuple[Any, dict[str, Any] | N
     ended = outcome.read(job_dir)  # what rank 0 said before it left, if it did
     if ended is None:
         gate = job_dir / "gate.json"
-        refused = gate.exists() and not json.loads(gate.read_text()).get("fits", True)
+        refused = gate.exists() and not (read_json(gate) or {}).get("fits", True)
         code, why = (EXIT_GATE_REFUSED, "gate refused") if refused else (1, error)
         job_dir.mkdir(parents=True, exist_ok=True)
         ended = outcome.write(job_dir, code, why)

@@ -155,6 +155,9 @@ class LayersConfig:
     sites: list[str] = field(default_factory=lambda: ["linear1", "linear2"])
     C: int = 20
     C_per_site: dict[str, int] = field(default_factory=dict)  # overrides C for named sites
+    # > 0: C of each site = this x its matrix's largest dimension (the published recipe's
+    # "C about the largest dimension": 1.0), in place of `C`
+    C_per_dim: float = 0.0
     delta: bool = True
     ci_fn: str = "mlp"  # a name in pdecomp.ci.CI_FNS
     ci_hidden: list[int] = field(default_factory=lambda: [16])
@@ -221,6 +224,12 @@ class LossConfig:
     p_anneal_end_frac: float = 1.0
     beta: float = 0.0
     eps: float = 1e-12
+    # The per-value penalty of importance minimality (a name in pdecomp.losses.PENALTIES):
+    # lp, (c + eps)^p with p annealed p_start -> p_end; smooth_l0, c^2 / (c^2 + gamma^2)
+    # with gamma annealed gamma_start -> gamma_end (the same fractions), flat at c = 0.
+    imp_min_penalty: str = "lp"
+    gamma_start: float = 1.0
+    gamma_end: float = 0.01
     ci_threshold: float = 0.1
     distance: str = "mse"  # a name in pdecomp.losses.DISTANCES
     recon: dict[str, ReconTermConfig] = field(

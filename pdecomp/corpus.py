@@ -15,6 +15,7 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROWS_PER_READ = 1024  # Parquet rows decoded at a time: the bound on documents held
 
@@ -72,10 +73,21 @@ def check(corpus: Corpus) -> None:
                 raise CorpusError(f"{f}: no column {corpus.column!r} (--column); it has "
                                   f"{', '.join(schema.names)}")
             t = schema.field(corpus.column).type
-            if not (pa.types.is_string(t) or pa.types.is_large_string(t)):
+            if not is_text(t):
                 raise CorpusError(f"{f}: column {corpus.column!r} holds {t}, not text")
         elif kind(f) == "jsonl":
             next(_jsonl(f, corpus.column), None)
+
+
+def is_text(t: Any) -> bool:
+    """A Parquet column type that holds strings: plain, large, a view, or dictionary-encoded
+    strings (as pandas writes a categorical)."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    view = getattr(pa.types, "is_string_view", lambda _: False)
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or view(t)
 
 
 def documents(corpus: Corpus) -> Iterator[str]:
@@ -129,11 +141,19 @@ def _jsonl(f: Path, column: str) -> Iterator[str]:
 
 
 def _parquet(f: Path, column: str) -> Iterator[str]:
+    # Not pre-buffered: that would read every row group's column chunk ahead of use.
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    # Not pre-buffered: that would read every row group's column chunk ahead of use.
     rows = pq.ParquetFile(f, pre_buffer=False, buffer_size=1 << 20)
-    for batch in rows.iter_batches(batch_size=ROWS_PER_READ, columns=[column]):
+    batches = rows.iter_batches(batch_size=ROWS_PER_READ, columns=[column])
+    while True:
+        try:
+            batch = next(batches, None)
+        except (OSError, pa.ArrowException) as e:  # a row group damaged past the header
+            raise CorpusError(f"{f}: damaged Parquet data ({e})") from None
+        if batch is None:
+            return
         yield from (d for d in batch.column(0).to_pylist() if d is not None)
 
 

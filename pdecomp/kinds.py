@@ -185,6 +185,21 @@ def tied_sites(model: ModelConfig, layers: LayersConfig) -> dict[str, str]:
 
 
 def site_C(model: ModelConfig, layers: LayersConfig) -> dict[str, int]:
-    """Components per decomposed site, in the target's canonical site order."""
-    chosen = set(layers.sites)
-    return {s: layers.C_per_site.get(s, layers.C) for s in site_names_of(model) if s in chosen}
+    """Components per decomposed site, in the target's canonical site order: `layers.C`, or
+    `layers.C_per_dim` times the site matrix's largest dimension; `C_per_site` over both."""
+    chosen = [s for s in site_names_of(model) if s in set(layers.sites)]
+    if layers.C_per_dim:
+        dims = site_dims(model)
+        C = {s: max(1, round(layers.C_per_dim * max(dims[s]))) for s in chosen}
+    else:
+        C = dict.fromkeys(chosen, layers.C)
+    return {s: layers.C_per_site.get(s, c) for s, c in C.items()}
+
+
+def site_dims(model: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Each site's weight shape [d_in, d_out], from the target's shapes alone (no weights)."""
+    import jax.numpy as jnp
+
+    weights = jax.eval_shape(lambda: kind_of(model).init_target(
+        jax.random.PRNGKey(0), model, jnp.float32).site_weights())
+    return {s: tuple(W.shape) for s, W in weights.items()}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -27,13 +27,24 @@ def p_at(step: Array | int, total_steps: int, p_start: float, p_end: float,
     return p_start + (p_end - p_start) * t
 
 
+# Importance minimality's per-value penalty ψ(ci; a, eps), `a` its annealed parameter:
+# lp, (ci + eps)^p, whose gradient blows up as ci -> 0 for p < 1 (eps caps it); smooth_l0
+# (Geman-McClure), ci² / (ci² + γ²), flat at 0 and of bounded gradient (|ψ'| <= 0.65 / γ),
+# saturating to 1, so its sum counts active components as γ -> 0.
+PENALTIES: dict[str, Callable[[Array, Array | float, float], Array]] = {
+    "lp": lambda ci, p, eps: (ci + eps) ** p,
+    "smooth_l0": lambda ci, gamma, eps: ci * ci / (ci * ci + gamma * gamma),
+}
+
+
 def importance_sums(ci_upper: Mapping[str, Float[Array, "*pos C"]], p: Array | float,
-                    eps: float, members: bool = False) -> dict[str, Float[Array, " C"]]:
-    """S_c = Σ_pos (ci + eps)^p per site: the only way imp-min sees the batch. Sums over
-    microbatches add up to the whole batch's. `members`: each array is a group's, stacked
-    over its sites ([n, *pos, C] -> [n, C])."""
-    lead = int(members)
-    return {s: jnp.sum((ci.astype(jnp.float32) + eps) ** p, axis=tuple(range(lead, ci.ndim - 1)))
+                    eps: float, members: bool = False, penalty: str = "lp"
+                    ) -> dict[str, Float[Array, " C"]]:
+    """S_c = Σ_pos ψ(ci) per site (`penalty`: lp, ψ = (ci + eps)^p): the only way imp-min
+    sees the batch. Sums over microbatches add up to the whole batch's. `members`: each
+    array is a group's, stacked over its sites ([n, *pos, C] -> [n, C])."""
+    lead, psi = int(members), PENALTIES[penalty]
+    return {s: jnp.sum(psi(ci.astype(jnp.float32), p, eps), axis=tuple(range(lead, ci.ndim - 1)))
             for s, ci in ci_upper.items()}
 
 
@@ -47,14 +58,15 @@ def importance_from_sums(S: Mapping[str, Float[Array, " C"]], n_pos: int, beta: 
 
 
 def importance_minimality(ci_upper: Mapping[str, Float[Array, "*pos C"]], p: Array | float,
-                          eps: float, beta: float) -> Float[Array, ""]:
+                          eps: float, beta: float, penalty: str = "lp") -> Float[Array, ""]:
     """Σ_sites Σ_c m_c (1 + β log2(1 + S_c)), S_c = Σ_pos (ci + eps)^p, m_c = S_c / n_pos.
 
     S_c is a sum over the whole (global) batch before the log: under jit with a sharded batch
     XLA inserts the cross-device reduction, so the value does not depend on the device count.
     """
     ci = next(iter(ci_upper.values()))
-    return importance_from_sums(importance_sums(ci_upper, p, eps), ci.size // ci.shape[-1], beta)
+    return importance_from_sums(importance_sums(ci_upper, p, eps, penalty=penalty),
+                                ci.size // ci.shape[-1], beta)
 
 
 def mse(out: Array, target: Array) -> Float[Array, ""]:

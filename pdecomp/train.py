@@ -93,9 +93,10 @@ class StepSpec:
     distance: str
     faith_coeff: float
     imp_coeff: float
-    p: tuple[float, float, float, float]  # start, end, start_frac, end_frac
+    p: tuple[float, float, float, float]  # the penalty's p (or γ): start, end, fracs
     beta: float
     eps: float
+    penalty: str  # importance minimality's per-value penalty (losses.PENALTIES)
     total_steps: int
     compute_dtype: str
     matmul_dtype: str | None  # the forwards' matmul operands (None: compute_dtype)
@@ -544,7 +545,8 @@ class Pass:
         gone once they are taken (streamed: rematerialized, the backward recomputes them)."""
         def sums(logits):
             logits = self.plan.pin(logits)
-            S = losses.importance_sums({"": ci_upper(logits)}, self.p, self.spec.eps)[""]
+            S = losses.importance_sums({"": ci_upper(logits)}, self.p, self.spec.eps,
+                                       penalty=self.spec.penalty)[""]
             return S, jax.lax.stop_gradient(self.l0_of(ci_lower(logits)))
 
         out = ci_fn.per_group(features, self.every, components, sums)
@@ -570,7 +572,8 @@ def importance_over_batch(ps: Pass) -> tuple[Array, dict[str, Array]]:
         else:
             upper = {g: ci_upper(v)
                      for g, v in state.ci_fn.logits_of(features, ps.every, comps).items()}
-            S = losses.importance_sums(upper, ps.p, spec.eps, members=True)
+            S = losses.importance_sums(upper, ps.p, spec.eps, members=True,
+                                       penalty=spec.penalty)
         return jax.tree.map(jnp.add, acc, S)
 
     C = spec.site_C
@@ -629,7 +632,7 @@ def loss_fn(ps: Pass, imp_grad: dict[str, Array] | None, step_key: Array, params
                   for g, v in ci_fn.logits_of(features, ps.every, components).items()}
         ci = {g: ci_lower(v) for g, v in logits.items()}
         S = losses.importance_sums({g: ci_upper(v) for g, v in logits.items()}, ps.p, spec.eps,
-                                   members=True)
+                                   members=True, penalty=spec.penalty)
         l0 = {g: ps.l0_of(v, lead=1) for g, v in ci.items()}
     # 4. Losses: this microbatch's share of the batch means.
     if imp_grad is None:

@@ -28,7 +28,7 @@ from pdecomp.config import (
 from pdecomp.hardware import GPUS
 from pdecomp.kinds import KINDS, kind_of, site_names_of, tied_sites
 from pdecomp.llama import SITE_LAYER_SAVES
-from pdecomp.losses import DISTANCES
+from pdecomp.losses import DISTANCES, PENALTIES
 from pdecomp.masks import PGD_SCOPES, PLANS, ROUTINGS, SOURCES
 from pdecomp.resolve import data_axis
 from pdecomp.sharding import mesh_candidates, planned_gpus
@@ -86,6 +86,7 @@ def _validate_layers(cfg: RunConfig) -> None:
     if len(set(lay.sites)) != len(lay.sites):
         raise ConfigError("layers.sites", lay.sites, "each site may appear once")
     check_positive("layers.C", lay.C)
+    check_positive("layers.C_per_dim", lay.C_per_dim, zero_ok=True)
     for s, c in lay.C_per_site.items():
         if s not in lay.sites:
             raise ConfigError(f"layers.C_per_site.{s}", c, f"keys must be decomposed sites: "
@@ -118,6 +119,9 @@ def _validate_loss(cfg: RunConfig) -> None:
         check_positive(f"loss.{key}", getattr(lo, key), zero_ok=True)
     check_positive("loss.p_start", lo.p_start)
     check_positive("loss.p_end", lo.p_end)
+    _choice("loss.imp_min_penalty", lo.imp_min_penalty, PENALTIES)
+    check_positive("loss.gamma_start", lo.gamma_start)
+    check_positive("loss.gamma_end", lo.gamma_end)
     _fraction("loss.p_anneal_start_frac", lo.p_anneal_start_frac)
     _fraction("loss.p_anneal_end_frac", lo.p_anneal_end_frac)
     if lo.p_anneal_end_frac < lo.p_anneal_start_frac:
