@@ -60,10 +60,10 @@ class Checkpointer:
             item_handlers=ocp.StandardCheckpointHandler())  # so item_metadata can read steps
         self._saving: int | None = None  # the step of the save in flight
         self._failed = False
-        self.quiet = quiet
+        if quiet:  # before any read: an abandoned read can fail while the failed one returns
+            _quiet_abandoned_reads()
         if writer and quiet:
             _quiet_failed_writes()
-            _quiet_abandoned_reads()
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -141,7 +141,6 @@ class Checkpointer:
             except Exception as e:  # noqa: BLE001 - whatever orbax raises on damaged files
                 first = re.split(r"(?<=\.)\s", str(e).strip(), maxsplit=1)[0]
                 state, why = None, f"{type(e).__name__}: {textwrap.shorten(first, 160)}"
-                self.read_failed()
             failed = hosts.gather(np.atleast_1d(why is not None))
             if not failed.any():
                 return state, step
@@ -161,13 +160,6 @@ class Checkpointer:
             if not self.manager.all_steps():
                 log("no checkpoint can be read: training starts from step 0")
         return None, None
-
-    def read_failed(self) -> None:
-        """After a read that failed: the reads orbax then abandons fail again later, each
-        with a traceback; a `quiet` checkpointer drops those (the failure is reported once,
-        by whoever caught it)."""
-        if self.quiet:
-            _quiet_abandoned_reads()
 
     def mismatch(self, state_like: eqx.Module, step: int,
                  fields: tuple[str, ...] = ()) -> str | None:
@@ -267,6 +259,13 @@ def _quiet_abandoned_reads() -> None:
 
     quiet.quiets_abandoned_reads = True
     sys.unraisablehook = quiet
+    printed = sys.excepthook  # tensorstore's callbacks into the closed loop print through it
+
+    def quiet_printed(kind, value, tb) -> None:
+        if not (isinstance(value, RuntimeError) and "Event loop is closed" in str(value)):
+            printed(kind, value, tb)
+
+    sys.excepthook = quiet_printed
 
 
 def _quiet_failed_writes() -> None:

@@ -185,7 +185,6 @@ def _newest_readable(run_dir: Path, ckpt: Checkpointer, state_abs: TrainState,
             raise
         except Exception as e:  # noqa: BLE001 - whatever orbax raises on damaged files
             why = f"{type(e).__name__}: {textwrap.shorten(str(e).strip(), 160)}"
-            ckpt.read_failed()
             log(f"checkpoint at step {step} cannot be read ({why}); reading the one before")
             skipped.append(f"step {step}")
     raise RunDirError(f"{run_dir}: no checkpoint can be read ({', '.join(skipped)} damaged)")

@@ -16,8 +16,9 @@ from typing import Any
 
 from pdecomp.exits import Refused
 
-# tensorstore (orbax's array writer) reports the errno in its message, not as an OSError.
-_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+# tensorstore (orbax's array writer) and safetensors (Rust's io::Error) report the errno in
+# their message, not as an OSError.
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)|\(os error (\d+)\)")
 
 
 class DamagedFile(Refused):
@@ -84,7 +85,7 @@ def storage_error(e: BaseException) -> str | None:
         seen.add(id(cur))
         code = cur.errno if isinstance(cur, OSError) else None
         if code is None and (m := _OS_ERROR_CODE.search(str(cur))):
-            code = int(m.group(1))
+            code = int(m.group(1) or m.group(2))
         if code:
             return os.strerror(code).lower()
         cur = cur.__cause__ or cur.__context__
@@ -141,8 +142,10 @@ def write_dir(final: Path, write: Callable[[Path], None]) -> Path:
             shutil.rmtree(old)
         else:
             tmp.rename(final)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, Exception) and (why := storage_error(e)):
+            raise WriteFailed(f"cannot write {final}: {why}") from e
         raise
     return final
 
