@@ -25,6 +25,7 @@ import json
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,13 +124,17 @@ def main() -> None:
     p.add_argument("--C", type=int, default=256)
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--jobs", type=int, default=1,
+                   help="arms trained at once (each process then shares the cores)")
     args = p.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     out = Path(args.out) / "robustness.json"
     results = json.loads(out.read_text()) if out.is_file() else {"arms": {}}
     results["job"] = {k: v for k, v in vars(args).items() if k not in ("out", "arms")}
-    for arm in args.arms.split(","):
-        run_dir = train(arm, args)
+    arms = args.arms.split(",")
+    with ThreadPoolExecutor(args.jobs) as pool:  # the runs are processes of their own
+        run_dirs = dict(zip(arms, pool.map(lambda a: train(a, args), arms)))
+    for arm, run_dir in run_dirs.items():
         results["arms"][arm] = {"overrides": job(arm, args), "curve": curves(run_dir),
                                 "final": final_figures(run_dir)}
         out.write_text(json.dumps(results, indent=1))

@@ -357,6 +357,26 @@ def test_pgd_warmup_ascents_and_the_after_backward_ascent_are_counted(setup, ste
     assert np.isfinite(float(m["loss/pgd"])) and float(m["loss/pgd"]) > 0
 
 
+@pytest.mark.parametrize("n_warmup", [2, 0])
+def test_the_training_adversary_ascends(setup, step, n_warmup):
+    """A train step moves the persistent sources uphill: against the components and CI the
+    step started from, on its batch, the distance under the sources after the step is
+    above that under the sources before (an ascent turned into a descent fails here). With
+    no warm-up ascents, the one ascent after the backward alone (its own sign)."""
+    cfg, target, state = setup
+    if n_warmup != cfg.loss.pgd.n_warmup:
+        cfg = dc.replace(cfg, loss=dc.replace(cfg.loss, pgd=dc.replace(cfg.loss.pgd,
+                                                                         n_warmup=n_warmup)))
+        step = jax.jit(make_train_step(resolve(cfg).step))
+    for i in (1, 2):  # past the adversary's learning-rate warm-up
+        state, _ = step(state, target, tokens(cfg, i))
+    d = pgd_distance(clean_forward(cfg, target, state), state.components)
+    unstack = state.components.layout.unstack
+    before = float(d(unstack(state.adversary.sources)))
+    after = float(d(unstack(step(state, target, tokens(cfg))[0].adversary.sources)))
+    assert after > before * 1.001, (before, after)
+
+
 def test_state_round_trip_through_a_checkpoint_continues_the_trajectory(setup, step, tmp_path):
     """Sources, their moments and the step counter are in the checkpoint: 2 steps, save,
     restore, 2 steps equals 4 steps straight."""

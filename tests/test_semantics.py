@@ -267,6 +267,24 @@ def test_imp_min_matches_its_definition():
                                rtol=1e-5)
 
 
+def test_smooth_l0_is_geman_mcclure_flat_at_zero_and_of_bounded_gradient():
+    ci = jnp.array([0.0, 0.05, 0.1, 0.5, 1.0])
+    gamma = 0.1
+    psi = losses.PENALTIES["smooth_l0"]
+    np.testing.assert_allclose(psi(ci, gamma, 0.0), ci**2 / (ci**2 + gamma**2), rtol=1e-6)
+    grad = jax.vmap(jax.grad(lambda c: psi(c, gamma, 0.0)))(ci)
+    assert float(grad[0]) == 0.0  # no cliff at 0, where Lp's p < 1 gradient is unbounded
+    assert float(jnp.abs(grad).max()) <= 0.65 / gamma * 1.0001
+    lp = jax.grad(lambda c: losses.PENALTIES["lp"](c, 0.4, 1e-12))(jnp.float32(1e-6))
+    assert float(lp) > 1e2
+    # the same aggregation as Lp: sums over positions, the log term on top
+    ci3 = jax.random.uniform(jax.random.PRNGKey(0), (3, 4, 5))
+    S = np.sum(np.asarray(ci3) ** 2 / (np.asarray(ci3) ** 2 + gamma**2), axis=(0, 1))
+    np.testing.assert_allclose(
+        losses.importance_minimality({"s": ci3}, gamma, 0.0, 0.5, penalty="smooth_l0"),
+        np.sum(S / 12 * (1 + 0.5 * np.log2(1 + S))), rtol=1e-5)
+
+
 @pytest.mark.parametrize("kind,k,n_sites,expected", [
     ("all", 0, 27, 1), ("layerwise", 0, 27, 27), ("chunkwise", 9, 27, 3),
     ("chunkwise", 3, 27, 9), ("chunkwise", 2, 5, 3), ("chunkwise", 5, 5, 1)])
