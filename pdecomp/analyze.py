@@ -56,7 +56,7 @@ from pdecomp.runs import (
     LoadedRun,
     RunDirError,
     analysis_mesh,
-    checkpoints_of,
+    check_agrees,
     load_run,
     read_config,
 )
@@ -628,9 +628,9 @@ def refusal(args: Any) -> str | None:
         return bad
     run_dir = Path(args.run_dir).absolute()
     try:
-        read_config(run_dir)
+        config = read_config(run_dir)
         if args.target == "local":
-            checkpoints_of(run_dir, whole_state=False)
+            check_agrees(resolve(config), run_dir)
     except RunDirError as e:
         return f"{e}; pdecomp analyze expects a run directory with config.yaml and checkpoints/"
     if args.target == "local" and (why := storage.unwritable(run_dir)):

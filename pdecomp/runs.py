@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from pdecomp import older_layout, sharding
-from pdecomp.checkpoint import Checkpointer, complete_steps
+from pdecomp.checkpoint import Checkpointer, UnreadableCheckpoint, complete_steps
 from pdecomp.components import Components, with_tied
 from pdecomp.config import RunConfig
 from pdecomp.exits import Refused
@@ -132,6 +132,27 @@ def checkpoints_of(run_dir: Path, whole_state: bool = True) -> Path:
         if why:
             raise RunDirError(f"{run_dir}: its checkpoint at step {max(steps)} {why}")
     return ckpt_dir
+
+
+def check_agrees(run: Run, run_dir: Path) -> None:
+    """RunDirError, in one line, when the run's newest checkpoint holds components or a CI
+    function of other names, shapes or dtypes than its files describe (a run.json edited to
+    another C or kind): found from the shapes and the checkpoint's metadata, before anything
+    is compiled or read. A checkpoint whose metadata cannot be read is left to the reader."""
+    ckpt_dir = checkpoints_of(run_dir, whole_state=False)
+    _, state_abs = abstract_run(run, jax.random.PRNGKey(run.seed))
+    ckpt = Checkpointer(ckpt_dir, quiet=True)
+    try:
+        step = max(complete_steps(ckpt_dir))
+        if ckpt.older_layout(step):
+            return
+        why = ckpt.mismatch(state_abs, step, ("components", "ci_fn"))
+    except UnreadableCheckpoint:
+        return
+    finally:
+        ckpt.close()
+    if why:
+        raise RunDirError(f"{run_dir}: its checkpoint at step {step} {why}")
 
 
 def placed_abstract(run: Run, mesh: Mesh) -> tuple[Any, TrainState]:

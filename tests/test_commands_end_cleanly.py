@@ -100,6 +100,8 @@ DAMAGED = [
      ["run.json", "layers.C"]),
     ("run.json says another C", edit_json("run.json", set_layers_C), ["export", "{run}"], 2,
      ["another run's state"]),
+    ("run.json says another C, analyze", edit_json("run.json", set_layers_C),
+     ["analyze", "{run}"], 2, ["another run's state"]),
     ("run.json says another kind", edit_json("run.json", set_kind), ["export", "{run}"], 2,
      []),
     ("gate.json not JSON", write("gate.json", "{"), ["export", "{run}"], 2, ["gate.json"]),
