@@ -45,10 +45,10 @@ def job(arm: str, args: argparse.Namespace) -> list[str]:
     return [*over, f"model.path={args.model}", f"data.path={args.data}",
             f"layers.C={args.C}", "data.batch_size=4", "data.seq_len=64",
             f"optim.steps={steps}", f"logging.log_every={max(steps // 20, 1)}",
-            f"logging.eval_every={args.eval_every}", f"logging.ckpt_every={steps}",
+            f"logging.eval_every={args.eval_every}",
+            f"logging.ckpt_every={max(steps // 10, 1)}",  # history.json as it goes
             f"data.eval_batches={args.eval_batches}", "loss.eval_pgd.scope=shared",
-            "loss.eval_pgd.n_steps=20", "logging.wandb.mode=disabled",
-            "logging.progress=false"]
+            "loss.eval_pgd.n_steps=20", "logging.wandb.mode=disabled"]
 
 
 def train(arm: str, args: argparse.Namespace) -> Path:
@@ -126,17 +126,26 @@ def main() -> None:
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--jobs", type=int, default=1,
                    help="arms trained at once (each process then shares the cores)")
+    p.add_argument("--collect-only", action="store_true",
+                   help="train nothing: read the arms' run directories as they stand (an "
+                        "unfinished run: its curve so far, no final figures)")
     args = p.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     out = Path(args.out) / "robustness.json"
     results = json.loads(out.read_text()) if out.is_file() else {"arms": {}}
     results["job"] = {k: v for k, v in vars(args).items() if k not in ("out", "arms")}
     arms = args.arms.split(",")
-    with ThreadPoolExecutor(args.jobs) as pool:  # the runs are processes of their own
-        run_dirs = dict(zip(arms, pool.map(lambda a: train(a, args), arms)))
+    if args.collect_only:
+        run_dirs = {a: Path(args.out) / a for a in arms if (Path(args.out) / a).is_dir()}
+    else:
+        with ThreadPoolExecutor(args.jobs) as pool:  # the runs are processes of their own
+            run_dirs = dict(zip(arms, pool.map(lambda a: train(a, args), arms)))
     for arm, run_dir in run_dirs.items():
+        finished = (run_dir / "summary.json").is_file()
+        known = (results["arms"].get(arm) or {}).get("final")  # its 160 ascents take minutes
+        final = (known or final_figures(run_dir)) if finished else None
         results["arms"][arm] = {"overrides": job(arm, args), "curve": curves(run_dir),
-                                "final": final_figures(run_dir)}
+                                "final": final}
         out.write_text(json.dumps(results, indent=1))
         plot(results, Path(args.out) / "robustness.png")
         print(json.dumps({arm: results["arms"][arm]["final"]}), flush=True)
