@@ -256,7 +256,7 @@ class API(http.server.BaseHTTPRequestHandler):
 
     answer: tuple[int, bytes] = (200, b"")
 
-    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+    def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         status, body = self.answer
         self.send_response(status)
