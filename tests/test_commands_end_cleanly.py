@@ -375,3 +375,21 @@ def test_paths_with_commas_equals_spaces_and_accents_work(tms_run: Path, tmp_pat
     assert json.loads((run / "summary.json").read_text())["steps"] == 300
     assert "config error" not in proc.stderr
     assert os.path.isfile(odd / "out, é" / "manifest.json")
+
+
+def test_a_run_written_with_the_scopes_former_names_opens(tms_run: Path, tmp_path: Path,
+                                                          env: dict[str, str]) -> None:
+    """Scopes named before they were named for what they share ("batch_shared" was one
+    source per position) read as their present names."""
+    run = shutil.copytree(tms_run, tmp_path / "run")
+
+    def former(record: dict) -> None:
+        record["config"]["loss"]["pgd"]["scope"] = "batch_shared"
+        record["config"]["loss"]["eval_pgd"]["scope"] = "per_example"
+
+    edit_json("run.json", former)(run)
+    ok(pdecomp(["export", str(run)], tmp_path, env))
+    from pdecomp.runs import read_config
+
+    loss = read_config(run).loss
+    assert (loss.pgd.scope, loss.eval_pgd.scope) == ("per_position", "per_token")
