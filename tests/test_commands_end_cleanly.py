@@ -366,6 +366,7 @@ else:
 
 # -- odd paths ------------------------------------------------------------------------------
 
+@pytest.mark.slow  # the resumed run evaluates again: seconds more than the fast tier's share
 def test_paths_with_commas_equals_spaces_and_accents_work(tms_run: Path, tmp_path: Path,
                                                           env: dict[str, str]) -> None:
     odd = tmp_path / "runs, a=b c" / "é [x]"

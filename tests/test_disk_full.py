@@ -199,6 +199,9 @@ def test_a_write_failure_is_told_from_other_errors(tmp_path: Path) -> None:
     assert storage_error(OSError(28, os.strerror(28))) == "no space left on device"
     tensorstore = ValueError("RESOURCE_EXHAUSTED: Failed writing: [os_error_code='122']")
     assert storage_error(tensorstore) == os.strerror(122).lower()  # disk quota exceeded
+    safetensors = ValueError("Error while serializing: I/O error: No space left on device "
+                             "(os error 28)")  # Rust's io::Error, as safetensors words it
+    assert storage_error(safetensors) == "no space left on device"
     try:
         try:
             raise OSError(28, "No space left on device")
