@@ -333,8 +333,7 @@ def test_more_devices_than_the_host_has_is_refused(tms_run: Path, tmp_path: Path
 
 
 def test_a_partial_analysis_continues_on_another_device_count(tmp_path: Path) -> None:
-    """Co-firing counts saved split over 2 devices are read back onto 1 (and 4), equal."""
-    import jax
+    """Co-firing counts saved split over 2 devices are read back onto 3 and onto 1, equal."""
     import jax.numpy as jnp
 
     script = """
@@ -361,7 +360,6 @@ else:
     state = analysis_state.load(tmp_path, {"windows": 8}, (like,))
     assert state is not None and np.asarray(state[1][0]).tolist() == whole
     assert analysis_state.load(tmp_path, {"windows": 16}, (like,)) is None  # another request
-    assert jax.device_count() >= 1
 
 
 # -- odd paths ------------------------------------------------------------------------------

@@ -120,3 +120,10 @@ def test_every_option_of_every_config_group_is_documented():
     missing = [f"{f.parent.name}={f.stem}" for f in sorted(conf.glob("*/*.yaml"))
                if f"`{f.stem}`" not in docs]
     assert not missing, missing
+
+
+def test_the_results_page_holds_current_figures_only():
+    """bench/RESULTS.md is a results page: the current figure for each question, at most
+    200 lines (how a number moved belongs in commit messages)."""
+    lines = (ROOT / "bench" / "RESULTS.md").read_text().splitlines()
+    assert len(lines) <= 200, len(lines)
