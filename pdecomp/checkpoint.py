@@ -266,6 +266,9 @@ def _quiet_abandoned_reads() -> None:
             printed(kind, value, tb)
 
     sys.excepthook = quiet_printed
+    # ... and some as asyncio's "Task exception was never retrieved", logged with the trace
+    logging.getLogger("asyncio").addFilter(
+        lambda r: "exception was never retrieved" not in str(r.msg))
 
 
 def _quiet_failed_writes() -> None:
