@@ -471,6 +471,18 @@ FINDINGS_COLUMNS = (("1-hot live", "live_one_hot", "d"), ("MMCS", "mmcs", ".3f")
                     ("ML2R", "ml2r", ".3f"), ("one-to-one", "one_to_one", "d"))
 
 
+def print_pgd_curve(cfg: RunConfig, summary: dict[str, Any]) -> None:
+    """The fresh adversary's KL after each of its ascent counts (loss.eval_pgd.curve_to)
+    beside the zero-ablation KL of the same sites, in nats: the field's robustness figure."""
+    pgd = cfg.loss.eval_pgd
+    if not any(f"kl/pgd_{m}" in summary for m in pgd.marks):
+        return
+    curve = ", ".join(f"{m}: {summary[f'kl/pgd_{m}']:.4g}" for m in pgd.marks)
+    console.print(f"fresh adversary ({pgd.scope} sources, sign steps of {pgd.step_size:g}), KL "
+                  f"to the target after n ascents, nats: {curve}; every site ablated: "
+                  f"{summary['kl/zero']:.4g}")
+
+
 def print_findings(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> None:
     """What the decomposition found, in a form a person reads at a glance."""
     from pdecomp.kinds import site_C
@@ -483,14 +495,15 @@ def print_findings(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> No
              if any(f"{key}/{s}" in summary for s in sites)]
     # site names whole, never cut to "layers.0.mlp_…" on a narrow console
     table.add_column("site", no_wrap=True, min_width=max(map(len, sites)))
-    for col in ("C", "live", "L0", *(col for col, _, _ in extra)):
+    thr = cfg.loss.ci_threshold  # the field counts L0 at CI > 0; ours also above the threshold
+    for col in ("C", "live", f"L0 (CI > {thr:g})", "L0 (CI > 0)", *(c for c, _, _ in extra)):
         table.add_column(col)
     for site, C in sites.items():
         def fmt(key: str, spec: str = ".3f", site: str = site) -> str:
             v = summary.get(f"{key}/{site}")
             return "-" if v is None else format(v, spec)
 
-        table.add_row(site, str(C), fmt("live", "d"), fmt("l0"),
+        table.add_row(site, str(C), fmt("live", "d"), fmt("l0"), fmt("l0_any"),
                       *(fmt(key, spec) for _, key, spec in extra))
     console.print(table)
     if "ce/target" in summary:  # an LM: how much of the target's behaviour each mask keeps
@@ -505,6 +518,7 @@ def print_findings(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> No
                           "n/a (zero-ablation CE ≤ target's)" if unrecovered is None
                           else f"{unrecovered:.3f}")
         console.print(masks)
+        print_pgd_curve(cfg, summary)
     for key in ("plots/tms_directions", "plots/mean_ci"):
         if key in summary:
             console.print(f"plot: {summary[key]}")

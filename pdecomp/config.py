@@ -207,11 +207,24 @@ class EvalPGDConfig:
     """Fresh (non-persistent) PGD in evaluation (LMs): sources drawn anew for every batch,
     one per component and `scope` (shared: one for the whole batch and every position, as
     the published figures draw them; per_position; per_token), then `n_steps` sign ascents
-    of `step_size` on the KL, each followed by a clamp to [0, 1]. 0 steps: off."""
+    of `step_size` on the KL, each followed by a clamp to [0, 1]. 0 steps: off. `curve_to`:
+    the final evaluation also gives the KL after n_steps, 2 n_steps, 4 n_steps, ... up to
+    `curve_to` ascents of one adversary (`kl/pgd_<n>`; VPD's 20/40/80/160: n_steps 20,
+    curve_to 160; none while n_steps is 0)."""
 
     n_steps: int = 20
     step_size: float = 0.1
     scope: str = "shared"  # a name in pdecomp.masks.PGD_SCOPES
+    curve_to: int = 0
+
+    @property
+    def marks(self) -> tuple[int, ...]:
+        """The ascent counts of the final evaluation's curve (none without `curve_to`)."""
+        out, n = [], self.n_steps
+        while 0 < n <= self.curve_to:
+            out.append(n)
+            n *= 2
+        return tuple(out)
 
 
 @dataclass(frozen=True)

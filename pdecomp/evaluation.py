@@ -4,6 +4,7 @@ then its kind's own metrics, and the result's plots."""
 from __future__ import annotations
 
 import dataclasses as dc
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -35,10 +36,12 @@ class Evaluated(NamedTuple):
 
 
 def evaluate(run: Run, target: Any, state: Learned | TrainState,
-             batch_sharding: NamedSharding) -> tuple[dict[str, Any], Evaluated]:
+             batch_sharding: NamedSharding, final: bool = True
+             ) -> tuple[dict[str, Any], Evaluated]:
     """Final metrics on fresh held-out batches: live components and L0 per site, then the
-    kind's own (the ground-truth match of a toy, CE/KL per mask type of an LM). Numbers
-    only, and what was evaluated."""
+    kind's own (the ground-truth match of a toy, CE/KL per mask type of an LM; the fresh
+    adversary's curve, `loss.eval_pgd.curve_to`, only when `final`). Numbers only, and
+    what was evaluated."""
     kind = run.kind
     eval_key, batches = held_out_batches(run, batch_sharding)
     replicated = NamedSharding(batch_sharding.mesh, P())
@@ -52,9 +55,25 @@ def evaluate(run: Run, target: Any, state: Learned | TrainState,
         summary[f"live/{s}"] = v["live"]
         summary[f"l0/{s}"] = v["l0"]
         summary[f"l0_any/{s}"] = v["l0_any"]
-    summary.update(kind.evaluate(run.model, run.evaluation, target, components, ci_fn,
-                                 batches, eval_key, ci))
+    spec = run.evaluation if final else dc.replace(
+        run.evaluation, pgd=dc.replace(run.evaluation.pgd, curve_to=0))
+    summary.update(kind.evaluate(run.model, spec, target, components, ci_fn, batches,
+                                 eval_key, ci))
     return summary, Evaluated(target, components, ci)
+
+
+def programs(run: Run, components_abs: Any, replicated: NamedSharding
+             ) -> dict[str, Callable]:
+    """The device programs `evaluate` runs on each held-out batch, by name, each taking
+    (target, components, ci_fn, batch, key) with the training state's components (tied
+    sites unfolded inside, as `evaluate` does before): what the gate compiles beside the step."""
+    tied = dict(run.tied)
+    ci = metrics.ci_summary_program(run.loss.ci_threshold, replicated)
+    out = {"eval/ci_summary": lambda t, c, f, x, k: ci(t, with_tied(c, tied), f, x)}
+    sites = tuple(jax.eval_shape(lambda c: with_tied(c, tied), components_abs).layout.order)
+    if (own := run.kind.eval_program(run.evaluation, sites)) is not None:
+        out["eval/masked_forwards"] = lambda t, c, f, x, k: own(t, with_tied(c, tied), f, x, k)
+    return out
 
 
 def held_out_batches(run: Run, batch_sharding: NamedSharding) -> tuple[Any, list[Any]]:

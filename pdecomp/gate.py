@@ -258,6 +258,10 @@ def format_report(report: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append((k + (" (temp+arg+out-alias)" if k == "peak" else ""), value))
     for k, v in report.get("argument_parts_bytes", {}).items():
         rows.append((f"  argument: {k}", fmt_bytes(v)))
+    for name, p in report.get("programs", {}).items():
+        if name != "step":
+            over = "" if p["fits"] else ", over the cap"
+            rows.append((f"peak in {name}", f"{fmt_bytes(p['peak_bytes'])} (state resident{over})"))
     rows += [("cap", f"{fmt_bytes(report['cap_bytes'])} ({report['cap_source']})"),
              *([("allocator", report["memory_env"]["note"])]
                if report.get("memory_env", {}).get("note") else []),

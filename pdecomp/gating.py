@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
-from pdecomp import fit, hardware, sharding
+from pdecomp import evaluation, fit, hardware, sharding
 from pdecomp import gate as gate_lib
 from pdecomp.llama import SITE_LAYER_SAVES
 from pdecomp.resolve import Run
@@ -38,6 +39,13 @@ def refusal(report: dict[str, Any]) -> str:
     if "fit" in report:
         mode = report["fit"]["mode"]
         return f"{what[mode]} fits (gate.fit={mode}): {report['fit']['why']}"
+    if over := [n for n, p in report.get("programs", {}).items()
+                if not p["fits"] and n != "step" and report["peak_bytes"] <= report["cap_bytes"]]:
+        p = report["programs"][over[0]]
+        return (f"the evaluation's {over[0]} program: predicted peak "
+                f"{fmt_bytes(p['peak_bytes'])} > cap {fmt_bytes(report['cap_bytes'])} per "
+                "device beside the training state (more optim.microbatches make each "
+                "held-out batch smaller)")
     why = (f"predicted peak {fmt_bytes(report['peak_bytes'])} > cap "
            f"{fmt_bytes(report['cap_bytes'])} per device")
     most = report.get("max_microbatches", 0)
@@ -137,9 +145,37 @@ def gate(run: Run, run_dir: Path, detach: bool, log: Callable[[str], None]) -> G
                   max_microbatches=run.batch.size // mesh.shape[sharding.AXIS],
                   site_layer_saves=run.memory.site_layer_saves if run.memory.remat_layers
                   else None)
+    if run.logging.eval_every or run.logging.slow_eval_every:
+        gate_evaluation(run, compiler, report)
     write_json(run_dir / "gate.json", report)
     return Gated(run, mesh, compiler.batch_sharding, compiler.target_abs, compiler.state_abs,
                  compiled, report, init_key, data_key)
+
+
+def gate_evaluation(run: Run, compiler: Compiler, report: dict[str, Any]) -> None:
+    """The in-loop evaluation's programs (the final evaluation's too) compiled on the
+    state's shapes at the microbatch they run at. Each one's peak: its own, less the target,
+    components and CI function it shares with the state, plus what stays resident between
+    steps (the step's arguments but its batch). In the report's `programs` beside the
+    step's; one over the cap refuses the run."""
+    s, mesh = compiler.state_abs, compiler.layout.mesh
+    x = run.kind.batch_abstract(run.model, run.data, run.batch.microbatch,
+                                compiler.batch_sharding)
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, P()))
+    parts = report["argument_parts_bytes"]
+    resident = sum(v for k, v in parts.items() if k not in ("batch", OPT_PART_HOST))
+    shared = gate_lib.tree_bytes((compiler.target_abs, s.components, s.ci_fn))
+    programs = {"step": {"peak_bytes": report["peak_bytes"], "fits": report["fits"]}}
+    for name, fn in evaluation.programs(run, s.components, NamedSharding(mesh, P())).items():
+        _, r = gate_lib.compile_and_report(
+            fn, (compiler.target_abs, s.components, s.ci_fn, x, key),
+            **{k: compiler.where[k] for k in ("cap_bytes", "cap_source", "target", "mesh")})
+        peak = resident + r["peak_bytes"] - shared
+        programs[name] = {"peak_bytes": peak, "program_peak_bytes": r["peak_bytes"],
+                          "temp_bytes": r["temp_bytes"], "compile_s": r["compile_s"],
+                          "fits": peak <= report["cap_bytes"]}
+    report["programs"] = programs
+    report["fits"] = all(p["fits"] for p in programs.values())
 
 
 def prepare(run: Run, init_key: Array, detach: bool) -> Compiler:

@@ -142,6 +142,12 @@ class Kind:
         """The kind's own final metrics (besides every kind's live/L0 per site): numbers."""
         return {}
 
+    def eval_program(self, spec: EvalSpec, sites: tuple[str, ...]) -> Callable | None:
+        """The device program `evaluate` runs on each held-out batch, (target, components,
+        ci_fn, batch, key) -> scalars, for the gate to compile beside the step; None where
+        the kind's metrics are read on the host."""
+        return None
+
     def direct_logits(self, target: Any, site: str, U: Array) -> Array | None:
         """Language models: the next-token logits one unit of each component's output at
         `site` adds by the direct path to the unembedding ([C, vocab]); None where no fixed

@@ -237,9 +237,18 @@ class LlamaKind(Kind):
     def evaluate(self, model: ModelConfig, spec: EvalSpec, target: Any, components: Any,
                  ci_fn: Any, batches: list[Array], key: Array, ci: dict[str, dict[str, Any]]
                  ) -> dict[str, Any]:
-        return metrics.lm_mask_metrics(target, components, ci_fn, batches, key,
-                                       spec.ci_threshold, spec.delta,
-                                       jnp.dtype(spec.compute_dtype), spec.pgd)
+        out = metrics.lm_mask_metrics(self.eval_program(spec, tuple(components.sites)),
+                                      target, components, ci_fn, batches, key, spec.pgd)
+        if marks := spec.pgd.marks:  # another key: not the probe's adversary continued
+            curve = metrics.lm_pgd_curve(target, components, ci_fn, batches,
+                                         jax.random.fold_in(key, 1), spec.delta,
+                                         jnp.dtype(spec.compute_dtype), spec.pgd, marks)
+            out |= {f"kl/pgd_{m}": v for m, v in curve.items()}
+        return out
+
+    def eval_program(self, spec: EvalSpec, sites: tuple[str, ...]) -> Callable:
+        return metrics.mask_metrics_program(sites, spec.ci_threshold, spec.delta,
+                                            jnp.dtype(spec.compute_dtype), spec.pgd)
 
 
 LLAMA_KIND = LlamaKind()

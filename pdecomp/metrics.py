@@ -139,16 +139,15 @@ def lm_pgd_curve(target, components: Components, ci_fn, batches: Sequence[Array]
     return {m: float(v) / len(batches) for m, v in zip(marks, total)}
 
 
-def lm_mask_metrics(target, components: Components, ci_fn, batches: Sequence[Array],
-                    key: Array, threshold: float, delta: bool, dtype,
-                    pgd: EvalPGDConfig = EvalPGDConfig()  # noqa: B008 - frozen
+def lm_mask_metrics(one: Callable, target, components: Components, ci_fn,
+                    batches: Sequence[Array], key: Array, pgd: EvalPGDConfig
                     ) -> dict[str, float | None]:
     """CE of the target, and CE and KL (to the target) of the forward with every site
     masked by each of MASK_KINDS, and by a fresh adversary (`pgd`, kind "pgd", when it has
-    steps), mean over the batches; ce_unrecovered per kind = (CE_masked − CE_target) /
-    (CE_zero − CE_target): 0 is the target, 1 is no better than ablating every site."""
+    steps), mean over the batches of `one` (`mask_metrics_program`); ce_unrecovered per
+    kind = (CE_masked − CE_target) / (CE_zero − CE_target): 0 is the target, 1 is no better
+    than ablating every site."""
     kinds = EVAL_KINDS if pgd.n_steps else MASK_KINDS
-    one = mask_metrics_program(tuple(components.sites), threshold, delta, dtype, pgd)
     totals: dict[str, float | None] = {}
     for i, tokens in enumerate(batches):
         for k, v in one(target, components, ci_fn, tokens, jax.random.fold_in(key, i)).items():
@@ -215,17 +214,7 @@ def ci_summary(target, components: Components, ci_fn, batches: Iterable[Array],
     mesh's fully replicated sharding) lets every process of a multi-process job read the
     per-component results, also when the components are split across processes.
     """
-    def reduce(target, components, ci_fn, x):  # only [C]-sized results reach the host
-        out = {}
-        for s, v in causal_importances(target, components, ci_fn, x).items():
-            v = v.reshape(-1, v.shape[-1])
-            # per component: a count over every row and component could pass 2**31 at LM sizes
-            hist = jnp.histogram(v, jnp.asarray(CI_HIST_EDGES, v.dtype))[0]
-            out[s] = (v.max(0), v.sum(0), (v > threshold).sum(0), (v > 0).sum(), hist,
-                      v.shape[0])
-        return out
-
-    reduce_jit = jax.jit(reduce, out_shardings=replicated)
+    reduce_jit = ci_summary_program(threshold, replicated)
     acc: dict[str, dict] = {}
     n = 0
     for x in batches:
@@ -245,6 +234,23 @@ def ci_summary(target, components: Components, ci_fn, batches: Iterable[Array],
                 "l0": float(a["active"].sum()) / n, "l0_any": a["nonzero"] / n,
                 "ci_hist": a["hist"],
                 "live": int((a["max"] > threshold).sum())} for s, a in acc.items()}
+
+
+def ci_summary_program(threshold: float, replicated: Sharding) -> Callable:
+    """`ci_summary`'s program for one batch: (target, components, ci_fn, x) -> per site the
+    [C]-sized reductions (only those reach the host), replicated on every device."""
+
+    def reduce(target, components, ci_fn, x):
+        out = {}
+        for s, v in causal_importances(target, components, ci_fn, x).items():
+            v = v.reshape(-1, v.shape[-1])
+            # per component: a count over every row and component could pass 2**31 at LM sizes
+            hist = jnp.histogram(v, jnp.asarray(CI_HIST_EDGES, v.dtype))[0]
+            out[s] = (v.max(0), v.sum(0), (v > threshold).sum(0), (v > 0).sum(), hist,
+                      v.shape[0])
+        return out
+
+    return jax.jit(reduce, out_shardings=replicated)
 
 
 # The CI histogram's bins: log-spaced near 0, where most of a sparse decomposition's CI lies.

@@ -113,7 +113,7 @@ def evaluate_now(g: Gated, target: Any, state: TrainState, done: int, run_dir: P
     its figures as `eval/<key>` (the fast tier), and the slow tier's plots when due."""
     run = g.run
     summary, evaluated = evaluate(run, target, Learned(state.components, state.ci_fn),
-                                  g.batch_sharding)
+                                  g.batch_sharding, final=False)
     if due(run.logging.slow_eval_every, done, run.optim.steps) and hosts.is_main_process():
         plots.plot_ci_distribution(evaluated.ci, run_dir / "eval" / f"{done}",
                                    run.loss.ci_threshold, CI_HIST_EDGES)

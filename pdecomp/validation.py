@@ -151,6 +151,11 @@ def _validate_loss(cfg: RunConfig) -> None:
     check_positive("loss.pgd.n_warmup", pgd.n_warmup, zero_ok=True)
     check_positive("loss.eval_pgd.n_steps", lo.eval_pgd.n_steps, zero_ok=True)
     check_positive("loss.eval_pgd.step_size", lo.eval_pgd.step_size)
+    check_positive("loss.eval_pgd.curve_to", lo.eval_pgd.curve_to, zero_ok=True)
+    if 0 < lo.eval_pgd.curve_to < lo.eval_pgd.n_steps:
+        raise ConfigError("loss.eval_pgd.curve_to", lo.eval_pgd.curve_to,
+                          f"must be at least loss.eval_pgd.n_steps ({lo.eval_pgd.n_steps}, "
+                          "the curve's first point), or 0 for no curve")
     kind = kind_of(m)
     if lo.distance != kind.distance:
         raise ConfigError("loss.distance", lo.distance, f"model {m.name} ({m.kind}) is "

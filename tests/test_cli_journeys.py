@@ -46,6 +46,7 @@ ALL_GROUPS = [
     "memory.safety_fraction=0.8",
     "gate.target=local",
     "logging.wandb.project=journeys", "logging.wandb.artifacts=true", "logging.ckpt_every=20",
+    "logging.eval_every=20", "logging.slow_eval_every=40",
 ]
 GATE_KEYS = ("peak_bytes", "argument_bytes", "temp_bytes", "cap_bytes", "fits")
 
@@ -181,6 +182,46 @@ def test_run_with_overrides_in_every_group(full_run) -> None:
     steps = [line.split("step ")[1].split(",")[0] for line in proc.stderr.splitlines()
              if line.startswith("tms_5-2: step ")]
     assert steps[-1] == "40/40" and len(steps) >= 20, proc.stderr
+
+
+def evaluated_steps(run_dir: Path, key: str) -> dict[int, float]:
+    return {h["step"]: h[key] for h in load_json(run_dir / "history.json") if key in h}
+
+
+def test_the_run_evaluates_in_the_loop_and_its_gate_compiled_the_evaluation(
+        full_run, env: dict[str, str], tmp_path: Path) -> None:
+    """`logging.eval_every=20`, `slow_eval_every=40`: the final evaluation's figures on the
+    same held-out batches as `eval/...` at steps 20 and 40, in history.json and in the run's
+    wandb files, the slow tier's CI histogram at 40; the gate compiled the evaluation's
+    program beside the step, and a cap between the two peaks refuses the larger one."""
+    run_dir, _ = full_run
+    mmcs = evaluated_steps(run_dir, "eval/mmcs/linear1")
+    assert sorted(mmcs) == [20, 40]
+    assert mmcs[40] == pytest.approx(load_json(run_dir / "summary.json")["mmcs/linear1"])
+    assert [p.parent.name for p in (run_dir / "eval").glob("*/ci_distribution.png")] == ["40"]
+    (wb,) = wandb_run_dirs(run_dir)
+    logged = {}
+    for line in leet(["--json", str(wb)]).splitlines():
+        item = (json.loads(line).get("history") or {}).get("item") or {}
+        if "eval/mmcs/linear1" in item:
+            logged[item["_step"]] = item["eval/mmcs/linear1"]
+    assert logged == pytest.approx(mmcs)
+
+    gate = load_json(run_dir / "gate.json")
+    step, ci = gate["programs"]["step"], gate["programs"]["eval/ci_summary"]
+    parts = gate["argument_parts_bytes"]
+    shared = sum(parts[k] for k in ("frozen target", "components", "ci function"))
+    resident = sum(v for k, v in parts.items() if k != "batch")
+    assert ci["peak_bytes"] == resident + ci["program_peak_bytes"] - shared
+    assert step["peak_bytes"] == gate["peak_bytes"] and gate["fits"]
+    cap_gib = (step["peak_bytes"] + ci["peak_bytes"]) / 2 / 2**30
+    gated = tmp_path / "capped"
+    proc = pdecomp([*TINY, *ALL_GROUPS, "gate.only=true", f"memory.hbm_cap_gib={cap_gib}",
+                    f"hydra.run.dir={gated}"], tmp_path, env)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    over_in_eval = ci["peak_bytes"] > step["peak_bytes"]
+    assert ("evaluation's eval/ci_summary program" in proc.stderr) == over_in_eval, proc.stderr
+    assert load_json(gated / "gate.json")["programs"]["eval/ci_summary"]["fits"] != over_in_eval
 
 
 def test_rerun_same_dir_resumes_from_checkpoint(full_run, env: dict[str, str],

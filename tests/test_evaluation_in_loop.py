@@ -1,6 +1,7 @@
 """Evaluation during training (`logging.eval_every`, `logging.slow_eval_every`): the final
 evaluation's figures on the same held-out batches at a cadence, as `eval/...` in
-history.json and in the run's wandb files; the slow tier's plots."""
+history.json and in the run's wandb files; the slow tier's plots. A toy's cadence, wandb
+files and gate are checked on test_cli_journeys' run with overrides in every group."""
 
 from __future__ import annotations
 
@@ -10,25 +11,11 @@ from pathlib import Path
 import pytest
 from conftest import leet, load_json, ok, pdecomp, wandb_run_dirs
 
+from pdecomp.config import ConfigError, EvalPGDConfig
+
 
 def evaluated_steps(run_dir: Path, key: str) -> dict[int, float]:
     return {h["step"]: h[key] for h in load_json(run_dir / "history.json") if key in h}
-
-
-def test_a_toy_run_evaluates_at_its_cadence(env: dict[str, str], tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    ok(pdecomp(["+experiment=tms_5-2", "optim.steps=100", "logging.log_every=30",
-                "logging.eval_every=25", "logging.slow_eval_every=50", "logging.plots=false",
-                "logging.wandb.mode=disabled", "logging.progress=false",
-                f"hydra.run.dir={run_dir}"], tmp_path, env))
-    mmcs = evaluated_steps(run_dir, "eval/mmcs/linear1")
-    assert sorted(mmcs) == [25, 50, 75, 100]
-    summary = load_json(run_dir / "summary.json")
-    assert mmcs[100] == pytest.approx(summary["mmcs/linear1"])  # the same batches at the end
-    assert sorted(p.parent.name for p in (run_dir / "eval").glob("*/ci_distribution.png")) \
-        == ["100", "50"]
-    history = load_json(run_dir / "history.json")
-    assert all("perf/step_s" in h for h in history if h["step"] in (30, 60, 90))
 
 
 def test_evaluation_in_the_loop_without_held_out_batches_is_refused(
@@ -39,6 +26,23 @@ def test_evaluation_in_the_loop_without_held_out_batches_is_refused(
     assert not (tmp_path / "run").exists()
 
 
+def test_the_fresh_adversary_curve_doubles_from_n_steps_to_curve_to() -> None:
+    assert EvalPGDConfig(20, curve_to=160).marks == (20, 40, 80, 160)  # VPD's
+    assert EvalPGDConfig(20, curve_to=100).marks == (20, 40, 80)
+    assert EvalPGDConfig(20).marks == () and EvalPGDConfig(0, curve_to=160).marks == ()
+    import dataclasses as dc
+
+    from test_lm import tiny_cfg
+
+    from pdecomp.validation import validate
+
+    cfg = tiny_cfg()
+    with pytest.raises(ConfigError) as e:
+        validate(dc.replace(cfg, loss=dc.replace(cfg.loss, eval_pgd=EvalPGDConfig(
+            20, curve_to=10))))
+    assert e.value.key == "loss.eval_pgd.curve_to"
+
+
 @pytest.mark.slow  # a llama_tiny run: most of a minute of compiling and training
 def test_a_language_model_run_logs_the_fresh_adversary_at_each_evaluation(
         env: dict[str, str], tmp_path: Path) -> None:
@@ -47,6 +51,7 @@ def test_a_language_model_run_logs_the_fresh_adversary_at_each_evaluation(
                 "layers.sites=[layers.1.mlp.gate_proj,layers.1.mlp.up_proj]",
                 "loss.recon.chunkwise.sites_per_chunk=2",
                 "optim.faith_warmup_steps=5", "logging.log_every=50", "logging.eval_every=50",
+                "loss.eval_pgd.n_steps=10", "loss.eval_pgd.curve_to=40",
                 "data.eval_batches=1", "logging.progress=false", "logging.plots=false",
                 f"hydra.run.dir={run_dir}"], tmp_path, env, timeout=900))
     probe = evaluated_steps(run_dir, "eval/kl/pgd")
@@ -62,3 +67,9 @@ def test_a_language_model_run_logs_the_fresh_adversary_at_each_evaluation(
         if "eval/kl/pgd" in item:
             logged[item["_step"]] = item["eval/kl/pgd"]
     assert logged == pytest.approx(probe)
+    # the final evaluation's curve: one fresh adversary after 10, 20 and 40 ascents
+    summary = load_json(run_dir / "summary.json")
+    curve = [summary[f"kl/pgd_{n}"] for n in (10, 20, 40)]
+    assert curve[0] > 0 and curve[2] >= curve[0] * 0.99, curve
+    assert not any(k.startswith("eval/kl/pgd_") for h in load_json(run_dir / "history.json")
+                   for k in h)  # the curve is the final evaluation's only

@@ -33,7 +33,13 @@ from pdecomp.config import (
     RunConfig,
 )
 from pdecomp.masks import masks_from_sources, pgd_source_shape, sample_forward_masks
-from pdecomp.metrics import fresh_pgd_masks, lm_mask_metrics, lm_pgd_curve, pgd_trajectory
+from pdecomp.metrics import (
+    fresh_pgd_masks,
+    lm_mask_metrics,
+    lm_pgd_curve,
+    mask_metrics_program,
+    pgd_trajectory,
+)
 from pdecomp.resolve import resolve
 from pdecomp.train import init_state, make_train_step
 from pdecomp.validation import validate
@@ -315,8 +321,9 @@ def test_fresh_eval_pgd_starts_anew_ascends_and_reports_ce_and_kl(setup):
     again = fresh_pgd_masks(kl_of, c.lower, key, True, EvalPGDConfig(5, 0.1))
     assert float(kl_of(again)) == float(kl_of(pushed))
 
-    out = lm_mask_metrics(target, comps, state.ci_fn, [tokens(cfg)], key, 0.1, True,
-                          jnp.float32, EvalPGDConfig(5, 0.1))
+    pgd = EvalPGDConfig(5, 0.1)
+    one = mask_metrics_program(tuple(comps.sites), 0.1, True, jnp.float32, pgd)
+    out = lm_mask_metrics(one, target, comps, state.ci_fn, [tokens(cfg)], key, pgd)
     assert out["kl/pgd"] > out["kl/stochastic"] and out["ce_unrecovered/pgd"] > 0
 
 
