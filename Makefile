@@ -21,7 +21,7 @@ STAMP := $(VENV)/.installed
 TEST_WORKERS ?= 2
 PYTEST = $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # The CUDA compile plugin for deviceless GPU gates (gate.target=h100|h200|b200), at jaxlib's
-# version, kept out of site-packages so CPU runs never load it (pdecomp/hardware.py).
+# version, kept out of site-packages so CPU runs never load it (pdecomp/core/hardware.py).
 GPU_COMPILE := $(VENV)/gpu-compile
 GPU_STAMP := $(GPU_COMPILE)/.installed
 

@@ -58,13 +58,13 @@ def main() -> None:
 
     host.run_programs_inline()  # as a `pdecomp` job runs CPU programs
     from launcher import api
-    from pdecomp import sharding
-    from pdecomp.checkpoint import Checkpointer
-    from pdecomp.gating import gate
-    from pdecomp.resolve import resolve
-    from pdecomp.shapes import load_target
-    from pdecomp.train import make_train_step
-    from pdecomp.training import initial_state
+    from pdecomp.core import sharding
+    from pdecomp.gate.shapes import load_target
+    from pdecomp.gate.step import gate
+    from pdecomp.plan.resolve import resolve
+    from pdecomp.run.checkpoint import Checkpointer
+    from pdecomp.run.loop import initial_state
+    from pdecomp.spd.step import make_train_step
 
     variants, targets = {}, {}
     with tempfile.TemporaryDirectory() as d:

@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pdecomp import analyze, harvest, metrics
-from pdecomp.ci import ci_lower
-from pdecomp.runs import load_run
+from pdecomp.analysis import analyze, harvest
+from pdecomp.run.load import load_run
+from pdecomp.spd import metrics
+from pdecomp.spd.ci import ci_lower
 
 RESULTS = Path(__file__).resolve().parent / "results.json"
 

@@ -19,7 +19,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from pdecomp.units import fmt_bytes
+from pdecomp.core.units import fmt_bytes
 
 PDECOMP = os.path.join(os.path.dirname(sys.executable), "pdecomp")
 RESID3 = ["+experiment=resid_mlp3"]

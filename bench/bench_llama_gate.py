@@ -22,7 +22,7 @@ from bench_gate import gate_only  # bench/ is on the path when a script there ru
 from rich.console import Console
 from rich.table import Table
 
-from pdecomp.units import GiB
+from pdecomp.core.units import GiB
 
 BASE = ["+experiment=llama8b_l18-26_chunkwise", "gate.target=b200", "mesh=fsdp8x8"]
 # The seed's probe (64 B200, remat on, no buffer donation), GiB per device.

@@ -1,6 +1,6 @@
 """The gate's time model against step times measured on GPUs: each job of the GPU suite whose
 step was timed on one H200 or H100 (bench/results.json "gpu") gated again deviceless for that
-card on this machine, its predicted step (pdecomp.step_cost: a roofline at the card's
+card on this machine, its predicted step (pdecomp.gate.step_cost: a roofline at the card's
 published rates) beside the measured one; rows go into bench/results.json under "time_model".
 
     .venv/bin/python bench/bench_time_model.py --model SMOLLM2_DIR          # every job

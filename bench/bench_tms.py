@@ -26,9 +26,9 @@ STEP_SCRIPT = textwrap.dedent("""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from launcher import host
     from pdecomp import targets, toys
-    from pdecomp.config import RunConfig
-    from pdecomp.resolve import resolve
-    from pdecomp.train import init_state, make_train_step
+    from pdecomp.core.config import RunConfig
+    from pdecomp.plan.resolve import resolve
+    from pdecomp.spd.step import init_state, make_train_step
     cfg = RunConfig()
     cfg = dataclasses.replace(cfg, layers=dataclasses.replace(cfg.layers, ci_fn=sys.argv[1]))
     host.run_programs_inline()  # as a `pdecomp` job does for CPU training

@@ -234,7 +234,7 @@ def random_model(like: Path, out: Path, n_layers: int | None, seed: int = 0) -> 
 
 
 def random_tokens(path: Path, vocab: int, n: int, seed: int = 0) -> Path:
-    from pdecomp.data import write_tokens
+    from pdecomp.targets.data import write_tokens
 
     return write_tokens(path, np.random.default_rng(seed).integers(0, vocab, n), "uint16")
 
@@ -359,8 +359,10 @@ def pgd_curve(run_dir: Path, steps: tuple[int, ...], scope: str, n_batches: int 
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from pdecomp import evaluation, metrics, runs
-    from pdecomp.config import EvalPGDConfig
+    from pdecomp.core.config import EvalPGDConfig
+    from pdecomp.run import evaluation
+    from pdecomp.run import load as runs
+    from pdecomp.spd import metrics
 
     loaded = runs.load_run(run_dir, log=lambda _: None, whole_state=False)
     run, sharding = loaded.run, NamedSharding(loaded.mesh, P())

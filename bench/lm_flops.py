@@ -1,5 +1,5 @@
 """The LM step's matmul FLOPs counted by hand, term by term, to check the gate's count (the
-dot_generals of the traced step, `pdecomp.gate.matmul_flops`).
+dot_generals of the traced step, `pdecomp.gate.compiled.matmul_flops`).
 
 The job: a Llama whose decomposed sites are MLP matrices of one layer `site_layer`, one
 microbatch, faithfulness + importance minimality + one stochastic reconstruction of all the
@@ -143,10 +143,11 @@ def traced_count(cfg) -> int:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from pdecomp import gate, sharding
-    from pdecomp.resolve import resolve
-    from pdecomp.shapes import abstract_run
-    from pdecomp.train import make_train_step
+    from pdecomp.core import sharding
+    from pdecomp.gate import compiled as gate
+    from pdecomp.gate.shapes import abstract_run
+    from pdecomp.plan.resolve import resolve
+    from pdecomp.spd.step import make_train_step
 
     run = resolve(cfg, len(jax.devices()))
     target, state = abstract_run(run, jax.random.PRNGKey(run.seed))

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher import cluster, slurm_jobs, snapshot
-from pdecomp.exits import EXIT_BAD_CONFIG
+from pdecomp.core.exits import EXIT_BAD_CONFIG
 
 # The overrides that choose and set the launcher; every other argument is the analysis's.
 LAUNCHER_KEYS = ("cluster=", "hydra.launcher.", "hydra/launcher=")
@@ -51,9 +51,9 @@ def one_process(params: dict[str, Any]) -> str | None:
 
 def run_analysis(argv: list[str], gpus: int) -> int:
     """In the job: the analysis, as `pdecomp analyze argv` runs it on this machine."""
+    from launcher.commands.analyze import main
     from launcher.job import check_gpus_seen, log_report
-    from pdecomp.analyze import main
-    from pdecomp.config import ConfigError
+    from pdecomp.core.config import ConfigError
 
     cluster.split_cpu_devices()
     print(f"analysis on {os.uname().nodename}, code {snapshot.code_root()}", file=sys.stderr,
@@ -99,8 +99,8 @@ def say_submitted(job: Any, run_dir: Path, kind: str) -> None:
 def main(own: list[str], kind: str, params: dict[str, Any], wait: bool) -> int:
     """`pdecomp analyze own` on the launcher `kind` (`basic`: here) with `params`, its
     `hydra.launcher` keys; checked, then run or submitted."""
+    from launcher.commands import analyze
     from launcher.job import log_report
-    from pdecomp import analyze
 
     if kind == "basic":
         return analyze.main(own, on_report=log_report)

@@ -6,7 +6,7 @@
     run = api.load_run("runs/tms")  # config, target, components, CI function, history
 
 Composing needs Hydra, so it lives here, on the launcher side; `load_run` is the library's
-(`pdecomp.runs`), which never imports Hydra.
+(`pdecomp.run.load`), which never imports Hydra.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from launcher import app
-from pdecomp.config import ConfigError, RunConfig
-from pdecomp.runs import LoadedRun, RunDirError, load_run
+from pdecomp.core.config import ConfigError, RunConfig
+from pdecomp.run.load import LoadedRun, RunDirError, load_run
 
 __all__ = ["ComposeError", "LoadedRun", "RunDirError", "compose", "load_run", "run"]
 
@@ -52,7 +52,7 @@ def compose(overrides: Sequence[str] = (), preset: str | None = None) -> RunConf
 
 def run(cfg: RunConfig, run_dir: str | Path, hooks: Any = None) -> dict[str, Any]:
     """Run (or resume) `cfg` in `run_dir` in this process; the summary. `hooks`: a
-    `pdecomp.run.Hooks` (progress, metrics, log) or None for plain printed lines."""
-    from pdecomp.run import decompose  # jax only once a run starts
+    `pdecomp.run.decompose.Hooks` (progress, metrics, log) or None for plain printed lines."""
+    from pdecomp.run.decompose import decompose  # jax only once a run starts
 
     return decompose(cfg, run_dir, hooks)

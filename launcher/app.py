@@ -31,12 +31,12 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from launcher import analysis_job, callbacks, cluster, resume
 from launcher.registry import register, to_run_config
-from pdecomp import hardware
-from pdecomp.config import ConfigError, RunConfig
-from pdecomp.exits import EXIT_BAD_CONFIG, EXIT_FAULT, Refused
-from pdecomp.resolve import with_microbatch_size
-from pdecomp.storage import WriteFailed, storage_error, unwritable
-from pdecomp.validation import validate
+from pdecomp.core import hardware
+from pdecomp.core.config import ConfigError, RunConfig
+from pdecomp.core.exits import EXIT_BAD_CONFIG, EXIT_FAULT, Refused
+from pdecomp.core.storage import WriteFailed, storage_error, unwritable
+from pdecomp.plan.resolve import with_microbatch_size
+from pdecomp.plan.validation import validate
 
 # Inside the package, so an installed wheel carries the configs (package data).
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")
@@ -278,7 +278,7 @@ def _restore(record: tuple[Path, dict[str, bytes]] | None) -> None:
 def version_line() -> str:
     """`pdecomp --version`: the version, the commit of the checkout it runs from, and the
     versions that make its figures (jax's above all)."""
-    from pdecomp.resolve import provenance
+    from pdecomp.plan.resolve import provenance
 
     p = provenance()
     return (f"pdecomp {p['pdecomp']} (commit {p['commit'] or 'unknown: not a git checkout'}; "
@@ -291,16 +291,15 @@ def main() -> None:
     # callback (jax has one), it is reported as "ignored" and the process goes on. Training
     # installs its own handler (launcher.cluster.StopSignals: a checkpoint first). The line
     # goes to stderr as it is now: loading the CUDA compile plugin points fd 2 at /dev/null
-    # for a moment (pdecomp.hardware), and a Ctrl-C then must still say why it stopped.
+    # for a moment (pdecomp.core.hardware), and a Ctrl-C then must still say why it stopped.
     signal.signal(signal.SIGINT, functools.partial(cluster.interrupted, stderr_fd=os.dup(2)))
     _main()
 
 
-# Subcommands of their own, not Hydra jobs: `pdecomp <name> ...` -> the library's `main`.
-SUBCOMMANDS = {"analyze": "pdecomp.analyze", "convert": "pdecomp.from_gguf",
-               "export": "pdecomp.export", "label": "pdecomp.labels", "prompt": "pdecomp.prompt",
-               "tokenize": "pdecomp.text", "status": "launcher.status",
-               "view": "pdecomp.view"}
+# Subcommands of their own, not Hydra jobs: `pdecomp <name> ...` -> its module's `main`.
+SUBCOMMANDS = {name: f"launcher.commands.{name}" for name in (
+    "analyze", "convert", "export", "label", "prompt", "tokenize", "view")} | {
+    "status": "launcher.status"}
 
 
 def ended_cleanly(prog: str, command: Callable[[], int]) -> int:
@@ -380,7 +379,7 @@ def _main() -> None:
         _restore(record)
         remove_if_empty(made)
     if _compile_in_flight():  # a gate-only run left XLA's code generation running
-        dump = sys.modules["pdecomp.xla_dump"]
+        dump = sys.modules["pdecomp.gate.xla_dump"]
         dump.end_process(0 if code is None else code if isinstance(code, int) else 1)
     sys.exit(code)
 
@@ -418,7 +417,7 @@ def _pop_flag(flag: str) -> bool:
 
 def _compile_in_flight() -> bool:
     # Looked up, not imported: only a job that ran has loaded the gate (and JAX with it).
-    dump = sys.modules.get("pdecomp.xla_dump")
+    dump = sys.modules.get("pdecomp.gate.xla_dump")
     return dump is not None and dump.compile_in_flight()
 
 

@@ -16,9 +16,9 @@ from rich.table import Table
 
 from launcher import outcome, slurm_jobs
 from launcher.console import make_console
-from pdecomp.plots import plot_gate_sweep
-from pdecomp.storage import DamagedFile, read_json, read_yaml
-from pdecomp.units import GiB
+from pdecomp.core.storage import DamagedFile, read_json, read_yaml
+from pdecomp.core.units import GiB
+from pdecomp.spd.plots import plot_gate_sweep
 
 # The result columns shown when present in a run's summary.json, in this order.
 RESULT_PREFIXES = ("live/", "mmcs/", "ml2r/", "one_to_one/", "kl/", "ce_unrecovered/",

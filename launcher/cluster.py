@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Self
 
-from pdecomp.exits import EXIT_BAD_CONFIG, EXIT_INTERRUPTED
+from pdecomp.core.exits import EXIT_BAD_CONFIG, EXIT_INTERRUPTED
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""One job: run directory, wandb, progress and reports around `pdecomp.run.decompose`."""
+"""One job: run directory, wandb, progress and reports around `pdecomp.run.decompose.decompose`."""
 
 from __future__ import annotations
 
@@ -24,16 +24,16 @@ from rich.table import Table
 from launcher import cluster, host, outcome, snapshot
 from launcher.console import make_console
 from launcher.registry import to_run_config
-from pdecomp.config import ConfigError, RunConfig
-from pdecomp.exits import EXIT_BAD_CONFIG, EXIT_FAULT, EXIT_GATE_REFUSED, EXIT_REQUEUED
-from pdecomp.storage import WriteFailed
-from pdecomp.units import GiB, fmt_bytes
+from pdecomp.core.config import ConfigError, RunConfig
+from pdecomp.core.exits import EXIT_BAD_CONFIG, EXIT_FAULT, EXIT_GATE_REFUSED, EXIT_REQUEUED
+from pdecomp.core.storage import WriteFailed
+from pdecomp.core.units import GiB, fmt_bytes
 
 console = make_console(stderr=True)
 
 
 def gate_table(report: dict[str, Any], title: str = "memory gate (per device)") -> Table:
-    from pdecomp.gate import format_report
+    from pdecomp.gate.compiled import format_report
 
     table = Table(title=title, show_header=False)
     for label, value in format_report(report):
@@ -114,7 +114,7 @@ def wandb_identity(job: Job) -> dict[str, Any]:
 
 def wandb_config(job: Job) -> dict[str, Any]:
     """What the run's wandb config records: the composed config, and what made it."""
-    from pdecomp.resolve import provenance
+    from pdecomp.plan.resolve import provenance
 
     return {**job.resolved, "pdecomp": {**provenance(), "preset": job.preset,
                                         "overrides": job.overrides}}
@@ -177,7 +177,7 @@ def _cell(value: Any) -> Any:
 
 def last_checkpoint(run_dir: Path) -> Path | None:
     """The run's latest complete checkpoint directory (`checkpoints/<step>`), if any."""
-    from pdecomp.checkpoint import complete_steps
+    from pdecomp.run.checkpoint import complete_steps
 
     ckpt_dir = run_dir / "checkpoints"
     steps = complete_steps(ckpt_dir) if ckpt_dir.is_dir() else []
@@ -316,11 +316,14 @@ def run_job(dict_cfg: DictConfig) -> dict[str, Any]:
     it can end said in one line (an exit code, or a sweep's row)."""
     # Before JAX starts its backend: the GPU allocator gets the memory the gate caps at, and
     # a CPU program's temporaries come from the calling thread's reusable heap.
-    from pdecomp.hardware import export_job_memory
+    from pdecomp.core.hardware import export_job_memory
     export_job_memory(float(dict_cfg.memory.safety_fraction))
     host.run_programs_inline()
     job = start_job(dict_cfg)
-    from pdecomp.run import decompose, prepare  # jax only once the job's runtime is set up
+    from pdecomp.run.decompose import (  # jax only once the job's runtime is set up
+        decompose,
+        prepare,
+    )
 
     try:  # checks that need the job's devices, before anything is written
         check_gpus_seen(gpus_asked())
@@ -366,7 +369,7 @@ class ProgressView:
         self.last_line = time.monotonic()
 
     def hooks(self) -> Any:
-        from pdecomp.run import Hooks
+        from pdecomp.run.decompose import Hooks
 
         job = self.job
         return Hooks(log=lambda s: console.print(f"[dim]{s}[/dim]") if job.rank0 else None,
@@ -401,7 +404,7 @@ class ProgressView:
 def ended_by(job: Job, wb: WandbLogger | None, e: Exception) -> dict[str, Any]:
     """How a run that raised ends: a refusal, a full disk, a scheduler's stop, a non-finite
     loss, or any other fault (re-raised, except in an in-process sweep, which goes on)."""
-    from pdecomp.run import GateRefused, Interrupted, NonFiniteLoss
+    from pdecomp.run.decompose import GateRefused, Interrupted, NonFiniteLoss
 
     if isinstance(e, GateRefused):
         if job.rank0:
@@ -452,7 +455,7 @@ def _stop_for_scheduler(ranks: cluster.Ranks, signals: cluster.StopSignals, e: E
                         max_requeues: int) -> None:
     """Every rank has checkpointed at the same step; requeue (rank 0) and leave without a
     result, so that submitit waits for the requeued job instead of reporting this one."""
-    from pdecomp import hosts
+    from pdecomp.core import processes as hosts
 
     why = ", ".join(dict.fromkeys(signals.received))
     if signals.requeue_requested():
@@ -486,7 +489,7 @@ def print_pgd_curve(cfg: RunConfig, summary: dict[str, Any]) -> None:
 def print_findings(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> None:
     """What the decomposition found, in a form a person reads at a glance."""
     from pdecomp.kinds import site_C
-    from pdecomp.metrics import EVAL_KINDS
+    from pdecomp.spd.metrics import EVAL_KINDS
 
     table = Table(title=f"{cfg.name}: what SPD found")
     sites = site_C(cfg.model, cfg.layers)

@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pdecomp.exits import EXIT_BAD_CONFIG, EXIT_GATE_REFUSED
-from pdecomp.storage import read_json, write_text
+from pdecomp.core.exits import EXIT_BAD_CONFIG, EXIT_GATE_REFUSED
+from pdecomp.core.storage import read_json, write_text
 
 FILE = "outcome.json"
 

@@ -16,15 +16,15 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from pdecomp.config import (
+from pdecomp.core.config import (
     ConfigError,
     ModelConfig,
     RunConfig,
     expand_C,
     expand_sites,
 )
-from pdecomp.hub import local_model_dir
 from pdecomp.kinds import KINDS, kind_of, run_config, site_names_of
+from pdecomp.targets.hub import local_model_dir
 
 
 @cache

@@ -9,8 +9,8 @@ import re
 import sys
 from pathlib import Path
 
-from pdecomp.exits import EXIT_BAD_CONFIG, Refused
-from pdecomp.storage import DamagedFile, read_json, read_yaml
+from pdecomp.core.exits import EXIT_BAD_CONFIG, Refused
+from pdecomp.core.storage import DamagedFile, read_json, read_yaml
 
 USAGE = "usage: pdecomp resume <run dir> [overrides ...]"
 PATH_KEYS = ("model.path", "data.path")

@@ -17,8 +17,8 @@ from typing import Any
 from rich.console import Console
 
 from launcher import outcome
-from pdecomp.exits import EXIT_GATE_REFUSED
-from pdecomp.storage import read_json, write_text
+from pdecomp.core.exits import EXIT_GATE_REFUSED
+from pdecomp.core.storage import read_json, write_text
 
 FILE = "jobs.json"
 # SLURM states of a job that has not ended (a requeued job is pending again).

@@ -3,7 +3,7 @@ job is submitted (`<sweep dir>/.code/<time>`), put first on the job's PYTHONPATH
 
 A job may wait in the queue for days while its checkout moves on (a pull, an edit, another
 branch); without the copy it would run whatever the checkout holds when it starts. The copy
-records the commit it was taken from (`COMMIT`, which `pdecomp.resolve.provenance` reads
+records the commit it was taken from (`COMMIT`, which `pdecomp.plan.resolve.provenance` reads
 there), so the run's summary and wandb name what it ran. Copied: the importable packages
 only (a few hundred KB), not the environment they import.
 """
@@ -29,7 +29,7 @@ def code_root() -> Path:
 
 def take(dest: Path) -> Path:
     """Copy the running packages to `dest` (new), with the commit they are from."""
-    from pdecomp.resolve import provenance
+    from pdecomp.plan.resolve import provenance
 
     root, tmp = code_root(), dest.with_name(dest.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)

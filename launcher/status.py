@@ -14,7 +14,7 @@ from typing import Any
 
 from launcher import callbacks, slurm_jobs
 from launcher.console import make_console
-from pdecomp.exits import EXIT_BAD_CONFIG
+from pdecomp.core.exits import EXIT_BAD_CONFIG
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -39,7 +39,7 @@ _RUN_CACHE = "PDECOMP_TEST_RUN_CACHE"
 _one_compilation_cache_per_run()
 
 from launcher import cluster
-from pdecomp import hardware
+from pdecomp.core import hardware
 
 # Before JAX starts its backends: the in-process deviceless gates compile as the CLI's do.
 hardware.no_gpu_autotuning_without_gpus()
@@ -166,9 +166,9 @@ def train_on_all_devices(cfg: Any, target_seed: int, state_seed: int, batches: l
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from pdecomp import targets
-    from pdecomp.resolve import resolve
-    from pdecomp.train import init_state, make_train_step, scalars
+    from pdecomp.kinds import cache as targets
+    from pdecomp.plan.resolve import resolve
+    from pdecomp.spd.step import init_state, make_train_step, scalars
 
     mesh = Mesh(np.array(jax.devices()), ("data",))
     rep, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))

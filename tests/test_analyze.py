@@ -20,11 +20,12 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import PDECOMP, leet, ok, pdecomp
 
-from pdecomp import analyze, metrics, view
-from pdecomp.ci import ci_lower
-from pdecomp.components import Components, SiteComponents
-from pdecomp.lm import token_stream
-from pdecomp.runs import load_run
+from pdecomp.analysis import analyze, view
+from pdecomp.kinds.language_model import token_stream
+from pdecomp.run.load import load_run
+from pdecomp.spd import metrics
+from pdecomp.spd.ci import ci_lower
+from pdecomp.spd.components import Components, SiteComponents
 
 QUIET = ["logging.wandb.mode=disabled", "logging.progress=false", "logging.plots=false"]
 SITE = "layers.1.mlp.up_proj"
@@ -320,7 +321,7 @@ def test_the_plots_are_logged_to_the_runs_wandb(tms_report: Path) -> None:
 def test_top_contexts_rank_saturated_ci_by_its_logit(monkeypatch) -> None:
     """A component whose CI is 1 at several positions: the top positions are those of its
     largest logits, not the first positions met."""
-    from pdecomp import harvest
+    from pdecomp.analysis import harvest
 
     logits = jnp.array([[[1.5], [3.0], [0.5], [2.0], [-1.0]]])  # [rows 1, T 5, C 1]
     x = jnp.ones((1, 5, 2))
@@ -341,7 +342,7 @@ def test_top_contexts_rank_saturated_ci_by_its_logit(monkeypatch) -> None:
 def test_component_and_feature_axes_tick_at_integers(monkeypatch, tmp_path: Path) -> None:
     """The axes that count components or features tick at whole numbers (no component
     2.5)."""
-    from pdecomp import plots
+    from pdecomp.spd import plots
 
     figs = []
     monkeypatch.setattr(plots, "_save", lambda fig, path, **kw: figs.append(fig))
@@ -451,7 +452,7 @@ def test_prompt_shows_the_components_firing_at_each_token(lm_report: Path, tmp_p
     what its ids give; bad input exits 2 with one line."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from pdecomp import prompt
+    from pdecomp.analysis import prompt
 
     ids = [3, 1, 4, 1, 5, 9, 2, 6]
     proc = ok(pdecomp(["prompt", str(lm_report), "--ids", ",".join(map(str, ids)), "--json"],
@@ -508,7 +509,7 @@ def test_a_value_write_reaches_the_residual_as_the_block_carries_it() -> None:
     """v_proj's residual write is what the layer adds where each query head attends to
     that one position (a window of one token): its group's heads carry the value through
     o_proj (grouped-query attention, 4 query heads on 2 kv heads)."""
-    from pdecomp.llama import LlamaConfig, init_llama
+    from pdecomp.targets.llama import LlamaConfig, init_llama
 
     model = init_llama(jax.random.PRNGKey(0), LlamaConfig(num_key_value_heads=2))
     cfg = model.cfg
@@ -552,7 +553,7 @@ def test_every_statistic_matches_a_direct_recomputation(lm_report: Path) -> None
     """The CI histogram, the top and drawn contexts with their signed activation, the
     input and next tokens (count, precision, recall, PMI) and the co-firing partners of
     the Parquet tables, each against the same quantity computed directly."""
-    from pdecomp import harvest
+    from pdecomp.analysis import harvest
 
     run = load_run(lm_report)
     ids, ci, act = _direct(run, 64)
@@ -717,7 +718,7 @@ def test_the_viewer_pages_sorts_and_searches_in_a_browser(chromium: str, lm_repo
 
     # a text read token by token: the components firing at each, strongest first, each a
     # link to its row; a text this tokenizer-less run cannot encode is refused in one line
-    from pdecomp import prompt
+    from pdecomp.analysis import prompt
 
     ids = [3, 17, 5, 9]
     want = prompt.firing(load_run(lm_report), ids)
@@ -780,16 +781,17 @@ def test_labels_come_from_the_api_resume_and_are_searched(
     --limit per site), the answer's first line appended as its label; a rate limit is
     waited out; a second call labels only what the first did not; a refused key is one
     line and exit 2 with the labels kept; the viewer finds a component by its label."""
-    from pdecomp import labels, view
+    from launcher.commands import label
+    from pdecomp.analysis import labels, view
 
     run = shutil.copytree(lm_report, tmp_path / "run")
     api = ChatAPI()
     common = [str(run), "--api-base", api.base, "--api-key-env", "TEST_KEY", "--workers", "3"]
     monkeypatch.delenv("TEST_KEY", raising=False)
-    assert labels.main([*common, "--limit", "2"]) == 2 and not (run / labels.FILE).exists()
+    assert label.main([*common, "--limit", "2"]) == 2 and not (run / labels.FILE).exists()
     monkeypatch.setenv("TEST_KEY", "sk-test")
-    assert labels.main([*common, "--limit", "2"]) == 0
-    assert labels.main([*common, "--limit", "3"]) == 0
+    assert label.main([*common, "--limit", "2"]) == 0
+    assert label.main([*common, "--limit", "3"]) == 0
     got = labels.read_labels(run)
     tables = sorted((run / "analysis" / "components").glob("*.parquet"))
     want = {}
@@ -801,7 +803,7 @@ def test_labels_come_from_the_api_resume_and_are_searched(
                  for r in rows}
     assert got == want and len(api.prompts) == len(want) == 3 * len(tables)
     monkeypatch.setenv("TEST_KEY", "sk-wrong")
-    assert labels.main([*common, "--limit", "4"]) == 2 and labels.read_labels(run) == got
+    assert label.main([*common, "--limit", "4"]) == 2 and labels.read_labels(run) == got
     (site, c), label = next(iter(got.items()))
     found = view.Tables(run / "analysis" / "components").page(site, 0, 50, "component", False,
                                                               label.upper())
@@ -839,7 +841,7 @@ def _check_ablation(run, ids: np.ndarray, ci: dict[str, np.ndarray], ablation: l
     a finite difference: the CE summed over the windows' positions with the component's
     mask at 1 - eps where it fires (1 elsewhere, the delta channel on), less the CE with
     every mask at 1, over eps. A component that never fires has none."""
-    from pdecomp.components import SiteMask, masked_linear
+    from pdecomp.spd.components import SiteMask, masked_linear
 
     sites = tuple(ci)
     x = jnp.asarray(ids)
@@ -885,9 +887,13 @@ def test_a_sites_static_table_lists_its_most_frequent_components_when_large(monk
 def test_a_stopped_analysis_goes_on_from_its_last_save(lm_report: Path, tmp_path: Path,
                                                        monkeypatch) -> None:
     """The fixture's request (64 windows, two batches of 32), stopped after the first batch
-    (saving after each): the same command goes on from the save, reads the second batch
-    only, and its tables equal the fixture's uninterrupted pass's."""
-    from pdecomp import analysis_state
+    (saving after each): the same command goes on from the save (also as an older version
+    pickled it), reads the second batch only, and its tables equal the fixture's
+    uninterrupted pass's."""
+    import pickle
+
+    from launcher.commands import analyze as analyze_command
+    from pdecomp.analysis import state as analysis_state
 
     run_dir = tmp_path / "run"
     shutil.copytree(lm_report, run_dir, ignore=shutil.ignore_patterns("analysis"))
@@ -903,14 +909,21 @@ def test_a_stopped_analysis_goes_on_from_its_last_save(lm_report: Path, tmp_path
             return update, lambda: None
         return bar
 
-    monkeypatch.setattr(analyze, "progress_bar", stop_after(1))
+    monkeypatch.setattr(analyze_command, "progress_bar", stop_after(1))
     with pytest.raises(KeyboardInterrupt):
-        analyze.main(args)
-    assert (run_dir / analysis_state.PARTIAL / "pass.pkl").is_file()
-    assert not (run_dir / "analysis").exists()
+        analyze_command.main(args)
+    saved = run_dir / analysis_state.PARTIAL / "pass.pkl"
+    assert saved.is_file() and not (run_dir / "analysis").exists()
+    # as a pdecomp before the library's floors saved it: its classes at their old places
+    with open(saved, "rb") as f:
+        older = pickle.dumps(analysis_state.OlderLayoutUnpickler(f).load(), protocol=0)
+    for old, new in analysis_state.MOVED.items():
+        older = older.replace(f"c{new}\n".encode(), f"c{old}\n".encode())
+    assert b"cpdecomp.harvest\n" in older
+    saved.write_bytes(older)
     read.clear()
-    monkeypatch.setattr(analyze, "progress_bar", stop_after(-1))
-    assert analyze.main(args) == 0
+    monkeypatch.setattr(analyze_command, "progress_bar", stop_after(-1))
+    assert analyze_command.main(args) == 0
     assert read == [64]  # the second batch only
     assert not (run_dir / analysis_state.PARTIAL).exists()
     for path in (lm_report / "analysis" / "components").iterdir():

@@ -13,8 +13,8 @@ import pdecomp
 
 def test_every_annotation_in_pdecomp_evaluates() -> None:
     checked, broken = 0, []
-    for info in pkgutil.iter_modules(pdecomp.__path__):
-        module = importlib.import_module(f"pdecomp.{info.name}")
+    for info in pkgutil.walk_packages(pdecomp.__path__, "pdecomp."):
+        module = importlib.import_module(info.name)
         for obj in vars(module).values():
             if getattr(obj, "__module__", None) != module.__name__:
                 continue

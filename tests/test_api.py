@@ -13,11 +13,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from launcher import api
-from pdecomp import metrics, toys
-from pdecomp.checkpoint import Checkpointer
-from pdecomp.components import masked_linear
-from pdecomp.evaluation import evaluate
-from pdecomp.run import Hooks
+from pdecomp.kinds import toy as toys
+from pdecomp.run.checkpoint import Checkpointer
+from pdecomp.run.decompose import Hooks
+from pdecomp.run.evaluation import evaluate
+from pdecomp.spd import metrics
+from pdecomp.spd.components import masked_linear
 
 QUIET = Hooks(log=lambda _: None)
 
@@ -109,7 +110,7 @@ def test_a_run_directory_written_before_the_per_kind_schemas_reads_back(preset, 
 
     import yaml
 
-    from pdecomp.runs import read_config
+    from pdecomp.run.load import read_config
 
     cfg = api.compose([], preset=preset)
     flat = {"name": "tms_5-2", "kind": "tms", "path": "", "n_features": 5, "d_hidden": 2,

@@ -1,4 +1,4 @@
-"""The `global_transformer` CI function (pdecomp/ci_global.py) at tiny sizes."""
+"""The `global_transformer` CI function (pdecomp/spd/ci_global.py) at tiny sizes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import run_on_cpu_devices
 
-from pdecomp.ci_global import GlobalCITransformer, global_transformer_param_count
+from pdecomp.spd.ci_global import GlobalCITransformer, global_transformer_param_count
 
 D_IN = {"a": 5, "b": 8, "c": 3}
 C = {"a": 4, "b": 2, "c": 7}
@@ -183,8 +183,8 @@ def test_site_order_follows_mappings():
 FSDP_SCRIPT = """
 import jax, jax.numpy as jnp, numpy as np, equinox as eqx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from pdecomp.ci_global import GlobalCITransformer
-from pdecomp.sharding import AXIS, Layout
+from pdecomp.spd.ci_global import GlobalCITransformer
+from pdecomp.core.sharding import AXIS, Layout
 D_IN, C = {"a": 5, "b": 8, "c": 3}, {"a": 4, "b": 2, "c": 8}
 net = GlobalCITransformer.init(jax.random.key(0), D_IN, C, d_model=16, n_blocks=2,
                                n_heads=4, d_mlp=32)

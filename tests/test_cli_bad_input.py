@@ -194,7 +194,7 @@ TOKEN_CASES = [  # (id, how the file is written, data.token_dtype, texts the lin
 def test_a_bad_token_file_exits_2_naming_it(written: str, dtype: str, texts: tuple[str, ...],
                                             env: dict[str, str], tmp_path: Path,
                                             tmp_path_factory: pytest.TempPathFactory) -> None:
-    from pdecomp.data import write_tokens
+    from pdecomp.targets.data import write_tokens
 
     path = tmp_path_factory.mktemp("tokens") / "tokens.bin"
     ids = np.random.default_rng(0).integers(0, 512, size=1_200_000)
@@ -216,8 +216,8 @@ def test_the_seed_rule_accepts_the_same_seeds_for_every_model_kind(seed: int) ->
 
     from test_lm import tiny_cfg
 
-    from pdecomp.config import ResidMLPConfig, RunConfig
-    from pdecomp.validation import validate
+    from pdecomp.core.config import ResidMLPConfig, RunConfig
+    from pdecomp.plan.validation import validate
 
     resid = RunConfig(model=ResidMLPConfig(name="resid", n_features=10,
                                         d_hidden=10, d_embed=100),

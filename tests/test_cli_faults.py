@@ -226,7 +226,7 @@ def test_ctrl_c_says_so_while_stderr_is_silenced(tmp_path: Path) -> None:
               "from launcher import cluster\n"
               "signal.signal(signal.SIGINT, functools.partial(cluster.interrupted,"
               " stderr_fd=os.dup(2)))\n"
-              "from pdecomp.hardware import _quiet_stderr\n"
+              "from pdecomp.core.hardware import _quiet_stderr\n"
               "with _quiet_stderr():\n"
               "    os.kill(os.getpid(), signal.SIGINT)\n"
               "    signal.pause()\n")

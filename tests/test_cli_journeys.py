@@ -123,7 +123,7 @@ def test_findings_table_keeps_site_names_whole_on_a_narrow_console(
     from rich.console import Console
 
     from launcher import job
-    from pdecomp.config import ResidMLPConfig, RunConfig
+    from pdecomp.core.config import ResidMLPConfig, RunConfig
 
     base = RunConfig()
     sites = ["layers.0.mlp_in", "layers.0.mlp_out"]

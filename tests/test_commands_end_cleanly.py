@@ -21,7 +21,8 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import ok, pdecomp, run_on_cpu_devices
 
-from pdecomp import analysis_state, labels
+from pdecomp.analysis import labels
+from pdecomp.analysis import state as analysis_state
 
 QUIET = ["logging.wandb.mode=disabled", "logging.progress=false", "logging.plots=false"]
 
@@ -388,7 +389,7 @@ def test_a_run_written_with_the_scopes_former_names_opens(tms_run: Path, tmp_pat
 
     edit_json("run.json", former)(run)
     ok(pdecomp(["export", str(run)], tmp_path, env))
-    from pdecomp.runs import read_config
+    from pdecomp.run.load import read_config
 
     loss = read_config(run).loss
     assert (loss.pgd.scope, loss.eval_pgd.scope) == ("per_position", "per_token")

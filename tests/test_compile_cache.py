@@ -27,8 +27,8 @@ RUN = textwrap.dedent("""
     hits = []
     jax.monitoring.register_event_listener(
         lambda event, **_: hits.append(event) if event.endswith("/cache_hits") else None)
-    from pdecomp.config import RunConfig
-    from pdecomp.run import decompose
+    from pdecomp.core.config import RunConfig
+    from pdecomp.run.decompose import decompose
 
     base = RunConfig()
     cfg = dc.replace(

@@ -1,4 +1,4 @@
-"""Token streams (pdecomp.data): the file formats, batch determinism, and bad-input errors."""
+"""Token streams (pdecomp.targets.data): the file formats, batch determinism, and bad-input errors."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pdecomp import data
-from pdecomp.config import ConfigError
-from pdecomp.data import ChunkedTokens, TokenSpec, TokenStream, open_tokens, window_starts
+from pdecomp.core.config import ConfigError
+from pdecomp.targets import data
+from pdecomp.targets.data import ChunkedTokens, TokenSpec, TokenStream, open_tokens, window_starts
 
 SEQ, VOCAB, BATCH = 16, 70_000, 12
 

@@ -17,8 +17,8 @@ SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from pdecomp import losses, targets, toys
-    from pdecomp.config import RunConfig
-    from pdecomp.ci import ci_upper
+    from pdecomp.core.config import RunConfig
+    from pdecomp.spd.ci import ci_upper
     from conftest import train_on_all_devices
 
     mesh = Mesh(np.array(jax.devices()), ("data",))
@@ -57,8 +57,8 @@ def test_imp_min_and_train_steps_match_on_1_and_8_devices():
 FSDP_SCRIPT = textwrap.dedent("""
     import json, sys, dataclasses as dc
     import jax
-    from pdecomp.config import ResidMLPConfig, RunConfig
-    from pdecomp.run import decompose
+    from pdecomp.core.config import ResidMLPConfig, RunConfig
+    from pdecomp.run.decompose import decompose
 
     base = RunConfig()
     out = {}

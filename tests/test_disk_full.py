@@ -5,7 +5,7 @@ the kernel. The run must end with one line and exit 1, keep its last complete ch
 and, once the filler is gone, resume from it to the result of an uninterrupted run.
 
 The filler is placed from inside the run: a few lines wrap `Checkpointer.save` (after the
-previous save is complete, so that one is on disk) or `pdecomp.run.evaluate`, then call the
+previous save is complete, so that one is on disk) or `pdecomp.run.decompose.evaluate`, then call the
 CLI's own entry point. Mounting a tmpfs needs root (or CAP_SYS_ADMIN); elsewhere these skip.
 """
 
@@ -54,14 +54,14 @@ FILL_THEN_RUN = textwrap.dedent("""
         os.truncate(filler, max(filler.stat().st_size - leave, 0))
 
     if where == "results":
-        import pdecomp.run as run
+        import pdecomp.run.decompose as run
         evaluate = run.evaluate
         def fill_then_evaluate(*args, **kwargs):
             fill()
             return evaluate(*args, **kwargs)
         run.evaluate = fill_then_evaluate
     else:
-        from pdecomp.checkpoint import Checkpointer
+        from pdecomp.run.checkpoint import Checkpointer
         save = Checkpointer.save
         def fill_then_save(self, step, state):
             if step == int(where):
@@ -145,7 +145,7 @@ def resume_matches(run_dir: Path, uninterrupted: Path, from_step: int, cwd: Path
 
 
 def final_state(run_dir: Path) -> list[np.ndarray]:
-    from pdecomp.runs import load_run
+    from pdecomp.run.load import load_run
 
     state = load_run(run_dir, log=lambda _: None).state
     return [np.asarray(x) for x in jax.tree.leaves(eqx.filter(state, eqx.is_array))]
@@ -194,7 +194,7 @@ def test_disk_full_writing_the_results_keeps_the_final_checkpoint(
 
 
 def test_a_write_failure_is_told_from_other_errors(tmp_path: Path) -> None:
-    from pdecomp.storage import WriteFailed, atomic_write, storage_error
+    from pdecomp.core.storage import WriteFailed, atomic_write, storage_error
 
     assert storage_error(OSError(28, os.strerror(28))) == "no space left on device"
     tensorstore = ValueError("RESOURCE_EXHAUSTED: Failed writing: [os_error_code='122']")

@@ -105,7 +105,7 @@ def test_docs_cited_in_code_exist():
 
 
 def test_every_exit_code_is_in_the_one_table():
-    from pdecomp.exits import EXIT_CODES
+    from pdecomp.core.exits import EXIT_CODES
 
     text = (ROOT / "docs" / "cli.md").read_text()
     table = [line for line in text.splitlines() if re.match(r"^\| \d+ \|", line)]

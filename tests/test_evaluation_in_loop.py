@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import leet, load_json, ok, pdecomp, wandb_run_dirs
 
-from pdecomp.config import ConfigError, EvalPGDConfig
+from pdecomp.core.config import ConfigError, EvalPGDConfig
 
 
 def evaluated_steps(run_dir: Path, key: str) -> dict[int, float]:
@@ -34,7 +34,7 @@ def test_the_fresh_adversary_curve_doubles_from_n_steps_to_curve_to() -> None:
 
     from test_lm import tiny_cfg
 
-    from pdecomp.validation import validate
+    from pdecomp.plan.validation import validate
 
     cfg = tiny_cfg()
     with pytest.raises(ConfigError) as e:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import load_json, ok, pdecomp
 
-from pdecomp.fit import fit_batch, fit_mesh, fit_microbatches
-from pdecomp.gate import format_report
+from pdecomp.gate.compiled import format_report
+from pdecomp.gate.fit import fit_batch, fit_mesh, fit_microbatches
 
 MiB = 2**20
 

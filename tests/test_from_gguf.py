@@ -15,8 +15,9 @@ import pytest
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
-from pdecomp import data, from_gguf, text
-from pdecomp.hf_checkpoint import load_config, load_hf
+from launcher.commands import convert, tokenize
+from pdecomp.targets import data, from_gguf, text
+from pdecomp.targets.hf_checkpoint import load_config, load_hf
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llama"
 Q = gguf.GGMLQuantizationType
@@ -213,7 +214,7 @@ def test_the_llama3_and_qwen2_pre_tokenizers_split_as_their_models_do(tmp_path):
 
 def _refused(capsys, argv: list[str], words: str, parent: Path) -> None:
     before = sorted(parent.iterdir())
-    assert from_gguf.main(argv) == 2
+    assert convert.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and words in err, err
     assert sorted(parent.iterdir()) == before  # nothing written, no partial directory
@@ -252,7 +253,7 @@ def test_refusals_are_one_line_exit_2_and_write_nothing(tmp_path, capsys):
     _refused(capsys, [str(tmp_path / "spm.gguf"), out], "tokenizer.ggml.pre='jais'", tmp_path)
     # an empty directory is taken
     (tmp_path / "empty").mkdir()
-    assert from_gguf.main([str(good), str(tmp_path / "empty")]) == 0
+    assert convert.main([str(good), str(tmp_path / "empty")]) == 0
     assert (tmp_path / "empty" / "config.json").is_file()
 
 
@@ -265,7 +266,7 @@ def test_tokenize_writes_documents_with_eos_that_the_token_reader_takes(tmp_path
     (corpus / "sub" / "b.txt").write_text("and the 42")
     (corpus / "skip.rst").write_text("not taken: not *.txt")
     out = tmp_path / "tokens.bin"
-    assert text.main([str(corpus), "--model", str(model), "-o", str(out)]) == 0
+    assert tokenize.main([str(corpus), "--model", str(model), "-o", str(out)]) == 0
     tok = Tokenizer.from_file(str(model / "tokenizer.json"))
     want = [*tok.encode("the band and the\n\nin them").ids, 1, *tok.encode("and the 42").ids, 1]
     ids = np.fromfile(out, np.uint16)
@@ -280,7 +281,7 @@ def test_tokenize_writes_documents_with_eos_that_the_token_reader_takes(tmp_path
     outs = []
     for k in range(2):
         o = tmp_path / f"p{k}.bin"
-        assert text.main([str(corpus / "a.txt"), str(corpus / "sub" / "b.txt"), "--model",
+        assert tokenize.main([str(corpus / "a.txt"), str(corpus / "sub" / "b.txt"), "--model",
                           str(model), "-o", str(o), "--paragraphs", "--seed", "3"]) == 0
         outs.append(np.fromfile(o, np.uint16).tolist())
     assert outs[0] == outs[1] and outs[0].count(1) == 3 and sorted(outs[0]) == sorted(
@@ -296,7 +297,7 @@ def _tokenize_rss(args: list[str]) -> int:
 
     # VmHWM: this program's own peak (getrusage's maxrss would include the forking parent's,
     # which Linux carries across exec).
-    code = ("import re, sys; from pdecomp import text; rc = text.main(sys.argv[1:]); "
+    code = ("import re, sys; from pdecomp import text; rc = tokenize.main(sys.argv[1:]); "
             "status = open('/proc/self/status').read(); "
             "print(re.search(r'VmHWM:\\s+(\\d+) kB', status).group(1)); sys.exit(rc)")
     proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
@@ -348,7 +349,7 @@ def test_tokenize_streams_a_corpus_larger_than_its_memory_allowance(tmp_path):
     side = json.loads(data.sidecar_of(tmp_path / "big.bin").read_text())
     assert side["count"] == len(ids) and side["documents"] == len(docs) and side["eos"] == 1
     assert side["inputs"] == [str(tmp_path / "big.parquet")]
-    assert text.main([str(tmp_path / "big.jsonl"), "--model", str(model), "-o",
+    assert tokenize.main([str(tmp_path / "big.jsonl"), "--model", str(model), "-o",
                       str(tmp_path / "jsonl.bin")]) == 0
     from_jsonl = np.fromfile(tmp_path / "jsonl.bin", np.uint16)
     assert np.array_equal(from_jsonl, ids[:len(from_jsonl)]) and from_jsonl[-1] == 1
@@ -376,7 +377,7 @@ def test_tokenize_refusals_are_one_line_exit_2_and_write_nothing(tmp_path, capsy
     before = sorted(tmp_path.rglob("*"))
     argv = [a.format(tmp=tmp_path, model=model, corpus=tmp_path / "corpus") for a in args]
     try:
-        code = text.main(argv)
+        code = tokenize.main(argv)
     except SystemExit as e:  # argparse's refusals (our Parser: one line, exit 2)
         code = e.code
     assert code == 2

@@ -15,10 +15,11 @@ import jax
 import numpy as np
 import pytest
 
-from pdecomp import gate, xla_dump
-from pdecomp.config import ConfigError, RunConfig
-from pdecomp.gate import tree_bytes
-from pdecomp.run import GateRefused, Hooks, decompose
+from pdecomp.core.config import ConfigError, RunConfig
+from pdecomp.gate import compiled as gate
+from pdecomp.gate import xla_dump
+from pdecomp.gate.compiled import tree_bytes
+from pdecomp.run.decompose import GateRefused, Hooks, decompose
 
 
 def _cfg(tmp_path, **memory):
@@ -91,11 +92,11 @@ def test_tree_bytes_counts_per_shard():
 ARG_BYTES_SCRIPT = textwrap.dedent("""
     import dataclasses as dc, json, sys
     import jax
-    from pdecomp.config import ResidMLPConfig, RunConfig
-    from pdecomp.run import decompose
-    from pdecomp.targets import init_target
-    from pdecomp.resolve import resolve
-    from pdecomp.train import init_state
+    from pdecomp.core.config import ResidMLPConfig, RunConfig
+    from pdecomp.run.decompose import decompose
+    from pdecomp.kinds.cache import init_target
+    from pdecomp.plan.resolve import resolve
+    from pdecomp.spd.step import init_state
 
     base = RunConfig()
     cfg = dc.replace(base,

@@ -25,7 +25,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def gate_report(argument: float, temp: float, output: float, alias: float, cap: float
                 ) -> dict[str, Any]:
-    """A gate.json as pdecomp.gate writes it, sizes given in GiB."""
+    """A gate.json as pdecomp.gate.compiled writes it, sizes given in GiB."""
     peak = temp + argument + output - alias
     sizes = {"argument": argument, "output": output, "temp": temp, "alias": alias,
              "host_temp": 0.0, "peak": peak, "xla_peak": 0.9 * peak, "cap": cap,

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from launcher.api import compose
-from pdecomp import losses
-from pdecomp.components import Components, Groups
-from pdecomp.resolve import resolve
-from pdecomp.shapes import abstract_run
-from pdecomp.train import faithfulness, make_train_step
+from pdecomp.gate.shapes import abstract_run
+from pdecomp.plan.resolve import resolve
+from pdecomp.spd import losses
+from pdecomp.spd.components import Components, Groups
+from pdecomp.spd.step import faithfulness, make_train_step
 
 D, F = 4096, 14336  # Llama-3.1-8B's d_embed and d_mlp
 

@@ -21,9 +21,9 @@ SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from pdecomp import targets
-    from pdecomp.sharding import OFFLOADED, Layout, place, shardings
-    from pdecomp.resolve import resolve
-    from pdecomp.train import init_state, make_train_step, scalars
+    from pdecomp.core.sharding import OFFLOADED, Layout, place, shardings
+    from pdecomp.plan.resolve import resolve
+    from pdecomp.spd.step import init_state, make_train_step, scalars
     from test_lm import tiny_cfg, tokens
     from test_microbatches import LINEAR_ADAM
 

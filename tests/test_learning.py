@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from pdecomp.config import RunConfig
-from pdecomp.run import decompose
+from pdecomp.core.config import RunConfig
+from pdecomp.run.decompose import decompose
 
 
 @pytest.mark.slow

@@ -14,9 +14,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pdecomp.components import frozen_linear
-from pdecomp.hf_checkpoint import CheckpointError, check_hf, load_config, load_hf
-from pdecomp.llama import init_llama
+from pdecomp.spd.components import frozen_linear
+from pdecomp.targets.hf_checkpoint import CheckpointError, check_hf, load_config, load_hf
+from pdecomp.targets.llama import init_llama
 
 pytestmark = pytest.mark.jax_versions  # the checkpoint loader and its logits
 
@@ -106,7 +106,7 @@ def test_a_shard_reads_only_its_block_of_a_tensor():
     transpose of HF's [d_out, d_in] storage."""
     from safetensors.numpy import load_file
 
-    from pdecomp.hf_checkpoint import _Tensors
+    from pdecomp.targets.hf_checkpoint import _Tensors
 
     path = FIXTURES / "gqa_llama3"
     full = load_file(str(path / "model.safetensors"))["model.layers.1.mlp.up_proj.weight"]

@@ -16,12 +16,7 @@ import numpy as np
 import pytest
 from conftest import run_on_cpu_devices
 
-from pdecomp import losses, targets
-from pdecomp.adversary import ascend, fresh
-from pdecomp.checkpoint import Checkpointer
-from pdecomp.ci import ci_lower
-from pdecomp.components import Recorded, masked_linear, recording_linear
-from pdecomp.config import (
+from pdecomp.core.config import (
     DataConfig,
     EvalPGDConfig,
     LayersConfig,
@@ -32,17 +27,23 @@ from pdecomp.config import (
     ReconTermConfig,
     RunConfig,
 )
-from pdecomp.masks import masks_from_sources, pgd_source_shape, sample_forward_masks
-from pdecomp.metrics import (
+from pdecomp.kinds import cache as targets
+from pdecomp.plan.resolve import resolve
+from pdecomp.plan.validation import validate
+from pdecomp.run.checkpoint import Checkpointer
+from pdecomp.spd import losses
+from pdecomp.spd.adversary import ascend, fresh
+from pdecomp.spd.ci import ci_lower
+from pdecomp.spd.components import Recorded, masked_linear, recording_linear
+from pdecomp.spd.masks import masks_from_sources, pgd_source_shape, sample_forward_masks
+from pdecomp.spd.metrics import (
     fresh_pgd_masks,
     lm_mask_metrics,
     lm_pgd_curve,
     mask_metrics_program,
     pgd_trajectory,
 )
-from pdecomp.resolve import resolve
-from pdecomp.train import init_state, make_train_step
-from pdecomp.validation import validate
+from pdecomp.spd.step import init_state, make_train_step
 
 SITES = [f"layers.{i}.mlp.{w}" for i in (1, 2) for w in ("gate_proj", "up_proj", "down_proj")]
 

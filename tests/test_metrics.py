@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pdecomp.components import Components, SiteComponents
-from pdecomp.config import TMSConfig
-from pdecomp.targets import init_target
-from pdecomp.toys import tms_ground_truth
+from pdecomp.core.config import TMSConfig
+from pdecomp.kinds.cache import init_target
+from pdecomp.kinds.toy import tms_ground_truth
+from pdecomp.spd.components import Components, SiteComponents
 
 
 def _perfect(W: jnp.ndarray, C: int, scale: float = 1.0) -> Components:

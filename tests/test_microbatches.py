@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 from test_lm import tiny_cfg, tokens
 
-from pdecomp import targets, toys
-from pdecomp.config import ConfigError, OptGroupConfig, RunConfig
-from pdecomp.masks import Positions, sample_forward_masks
-from pdecomp.resolve import resolve
-from pdecomp.train import init_state, make_train_step
-from pdecomp.validation import validate
+from pdecomp.core.config import ConfigError, OptGroupConfig, RunConfig
+from pdecomp.kinds import cache as targets
+from pdecomp.kinds import toy as toys
+from pdecomp.plan.resolve import resolve
+from pdecomp.plan.validation import validate
+from pdecomp.spd.masks import Positions, sample_forward_masks
+from pdecomp.spd.step import init_state, make_train_step
 
 # lr 1 and Adam's eps 1e-3: the first update is g / (|g| + 1e-3), smooth in the gradient, so the
 # updated state compares gradients. (With eps 1e-8 the first step is sign(g), where a
@@ -112,8 +113,8 @@ def test_microbatches_must_divide_the_batch_and_leave_every_device_rows():
                                                           ("fsdp16x8", 16, 4)])
 def test_the_8b_preset_takes_its_microbatches_from_the_mesh(mesh, data_axis, microbatches):
     from launcher.api import compose
-    from pdecomp import resolve as resolve_lib
-    from pdecomp import sharding
+    from pdecomp.core import sharding
+    from pdecomp.plan import resolve as resolve_lib
 
     cfg = compose(["gate.only=true", "gate.target=b200", f"mesh={mesh}"],
                   preset="llama8b_l18-26_chunkwise")
@@ -125,7 +126,7 @@ def test_the_8b_preset_takes_its_microbatches_from_the_mesh(mesh, data_axis, mic
 
 
 def test_a_local_mesh_settles_its_microbatches_in_the_job():
-    from pdecomp import resolve as resolve_lib
+    from pdecomp.plan import resolve as resolve_lib
 
     cfg = dc.replace(RunConfig(), optim=dc.replace(RunConfig().optim, microbatch_size=512),
                      data=dc.replace(RunConfig().data, batch_size=4096))
@@ -164,7 +165,7 @@ def test_microbatch_size_refusals_name_the_key(overrides, key):
 
 
 def test_a_refusal_names_what_would_hold_less():
-    from pdecomp.run import GateRefused
+    from pdecomp.run.decompose import GateRefused
 
     report = {"peak_bytes": 200 * 2**30, "cap_bytes": 160 * 2**30, "fits": False}
     hint = "up to 32 microbatches would hold fewer activations"

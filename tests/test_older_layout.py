@@ -1,5 +1,5 @@
 """A reader's share of a checkpoint written before the state was stacked by group
-(pdecomp/older_layout.py): components per site and the global CI transformer's per-site
+(pdecomp/run/older_layout.py): components per site and the global CI transformer's per-site
 input rows and logit heads, restacked into this version's layout."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import jax
 import numpy as np
 import pytest
 
-from pdecomp.checkpoint import Checkpointer
-from pdecomp.ci import CIFunction
-from pdecomp.ci_global import GlobalCITransformer
-from pdecomp.components import Components
-from pdecomp.older_layout import restack, stored_fields
+from pdecomp.run.checkpoint import Checkpointer
+from pdecomp.run.older_layout import restack, stored_fields
+from pdecomp.spd.ci import CIFunction
+from pdecomp.spd.ci_global import GlobalCITransformer
+from pdecomp.spd.components import Components
 
 # two layers of one kind (a group of two) and a site of another shape and C
 SHAPES = {"layers.0.mlp.up_proj": (6, 10), "layers.0.mlp.down_proj": (10, 6),

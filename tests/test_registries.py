@@ -12,14 +12,17 @@ from pathlib import Path
 import pytest
 
 from launcher import app
-from pdecomp import adversary, ci, hardware, llama, losses, masks, train
-from pdecomp.config import ConfigError, RunConfig
-from pdecomp.validation import validate
+from pdecomp.core import hardware
+from pdecomp.core.config import ConfigError, RunConfig
+from pdecomp.plan.validation import validate
+from pdecomp.spd import adversary, ci, losses, masks
+from pdecomp.spd import step as train
+from pdecomp.targets import llama
 
 pytestmark = pytest.mark.jax_versions  # every option composes and validates under each version
 
 SCHEMA_AND_CHECKS = [Path(__file__).resolve().parents[1] / "pdecomp" / f"{m}.py"
-                     for m in ("config", "validation")]
+                     for m in ("core/config", "plan/validation")]
 
 
 def _at(node, key: str, value):
@@ -135,7 +138,7 @@ def test_site_patterns_expand_in_the_targets_order():
     sites under it, each in the target's fixed order; no match or a backwards range is a
     ConfigError naming the entry."""
     from launcher.api import compose
-    from pdecomp.config import expand_sites
+    from pdecomp.core.config import expand_sites
 
     known = tuple(f"layers.{i}.{p}.{w}" for i in range(4) for p, ws in
                   (("self_attn", ("q_proj", "o_proj")), ("mlp", ("gate_proj", "down_proj")))
@@ -161,7 +164,7 @@ def test_C_per_site_keys_are_sites_patterns_or_a_matrix_name():
     later key wins; a key naming no decomposed site is left for the validation to refuse.
     The whole-8B preset: the recipe's C per matrix over its 224 sites."""
     from launcher.api import compose
-    from pdecomp.config import expand_C
+    from pdecomp.core.config import expand_C
     from pdecomp.kinds import site_C
 
     sites = [f"layers.{i}.{w}" for i in range(2) for w in ("self_attn.k_proj", "mlp.up_proj")]

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from pdecomp.config import DataConfig, RunConfig
+from pdecomp.core.config import DataConfig, RunConfig
 from pdecomp.kinds import run_config
-from pdecomp.resolve import BatchPlan, resolve
+from pdecomp.plan.resolve import BatchPlan, resolve
 
 
 def test_a_run_is_resolved_once_and_frozen():
@@ -81,8 +81,8 @@ def test_shard_weights_splits_the_weights_over_data_or_only_the_moments(weights:
     without it only the moments and the adversary split on data."""
     from jax.sharding import AbstractMesh
 
-    from pdecomp.config import MeshConfig
-    from pdecomp.sharding import leaf_sharding, make_layout
+    from pdecomp.core.config import MeshConfig
+    from pdecomp.core.sharding import leaf_sharding, make_layout
 
     me = MeshConfig(shard_state=True, shard_weights=weights, model=2)
     layout = make_layout(me, AbstractMesh((4, 2), ("data", "model")))

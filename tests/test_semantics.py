@@ -11,9 +11,11 @@ import numpy as np
 import optax
 import pytest
 
-from pdecomp import losses
-from pdecomp.ci import ALPHA, ci_lower, ci_upper
-from pdecomp.components import (
+from pdecomp.core.config import RunConfig, TMSConfig
+from pdecomp.kinds.cache import init_target
+from pdecomp.spd import losses
+from pdecomp.spd.ci import ALPHA, ci_lower, ci_upper
+from pdecomp.spd.components import (
     Components,
     Groups,
     SiteComponents,
@@ -24,11 +26,9 @@ from pdecomp.components import (
     masked_linear,
     with_tied,
 )
-from pdecomp.config import RunConfig, TMSConfig
-from pdecomp.masks import make_plan, masks_from_sources, sample_routing, sample_source
-from pdecomp.targets import init_target
-from pdecomp.toy_models import TMS
-from pdecomp.train import faithfulness
+from pdecomp.spd.masks import make_plan, masks_from_sources, sample_routing, sample_source
+from pdecomp.spd.step import faithfulness
+from pdecomp.targets.toy_models import TMS
 
 pytestmark = pytest.mark.jax_versions  # the method's numbers: random bits, custom gradients, the step
 
@@ -60,7 +60,7 @@ def test_ci_upper_forward_and_plain_gradient():
 
 @pytest.mark.parametrize("shape", [(7, 5), (4096, 21), (3, 4, 5)])
 def test_fused_threefry_draws_are_jax_randoms_bits(shape):
-    from pdecomp import threefry
+    from pdecomp.core import threefry
 
     for key in (jax.random.PRNGKey(3), jax.random.key(4)):
         np.testing.assert_array_equal(threefry.uniform(key, shape), jax.random.uniform(key, shape))
@@ -296,7 +296,7 @@ def test_plan_forward_counts(kind, k, n_sites, expected):
 
 
 def test_recon_term_with_zero_coeff_is_off():
-    from pdecomp.resolve import resolve
+    from pdecomp.plan.resolve import resolve
 
     cfg = RunConfig()
     recon = {**cfg.loss.recon, "layerwise": dc.replace(cfg.loss.recon["layerwise"], coeff=0.0)}
@@ -311,8 +311,8 @@ def test_tms_sites_in_canonical_order():
 
 @pytest.mark.parametrize("d_in", [6, 200])  # V folded into each group, or x @ V once
 def test_block_diagonal_ci_mlp_equals_elementwise_form(d_in):
-    from pdecomp import ci as ci_mod
-    from pdecomp.ci import ComponentwiseMLP
+    from pdecomp.spd import ci as ci_mod
+    from pdecomp.spd.ci import ComponentwiseMLP
 
     C = 2 * ci_mod._BLOCK_DIAG_GROUP + 3  # two whole groups and a short one
     net = ComponentwiseMLP.init(jax.random.PRNGKey(0), C, d_in, [16], on_inner_acts=True)
@@ -336,7 +336,7 @@ def test_block_diagonal_ci_mlp_equals_elementwise_form(d_in):
 
 
 def test_block_diagonal_ci_mlp_only_where_the_step_is_lowered_for_cpu():
-    from pdecomp.ci import _BLOCK_DIAG_GROUP, ComponentwiseMLP
+    from pdecomp.spd.ci import _BLOCK_DIAG_GROUP, ComponentwiseMLP
 
     net = ComponentwiseMLP.init(jax.random.PRNGKey(0), 20, 6, [16], on_inner_acts=True)
     traced = jax.jit(lambda n, x, V: n(x, V)).trace(net, jnp.ones((32, 6)), jnp.ones((6, 20)))
@@ -352,7 +352,7 @@ def test_vector_mlp_contracts_the_shared_input_without_a_per_component_copy(hidd
     contraction of that input with all C components' weights. The same numbers (values and
     gradients, 1e-6) as the formulation that broadcast the input to every component first,
     and no [*pos, C, d_in] buffer anywhere in the step's program."""
-    from pdecomp.ci import ComponentwiseMLP
+    from pdecomp.spd.ci import ComponentwiseMLP
 
     C, d_in, n = 24, 40, 32
     net = ComponentwiseMLP.init(jax.random.PRNGKey(0), C, d_in, hidden, on_inner_acts=False)
@@ -383,7 +383,7 @@ def test_vector_mlp_contracts_the_shared_input_without_a_per_component_copy(hidd
 
 
 def test_ci_mlp_init_he_into_gelu_and_unit_gain_at_the_linear_output():
-    from pdecomp.ci import ComponentwiseMLP, SharedMLP
+    from pdecomp.spd.ci import ComponentwiseMLP, SharedMLP
 
     H = 16
     per_comp = ComponentwiseMLP.init(jax.random.PRNGKey(0), 4000, 1, [H, H], on_inner_acts=True)
@@ -396,7 +396,7 @@ def test_ci_mlp_init_he_into_gelu_and_unit_gain_at_the_linear_output():
 
 
 def test_tied_follower_is_the_leaders_transpose_and_trains_it():
-    from pdecomp.components import with_tied
+    from pdecomp.spd.components import with_tied
 
     lead = Components.init(jax.random.PRNGKey(1), {"linear1": (5, 2)}, {"linear1": 4})
     both = with_tied(lead, {"linear2": "linear1"})
@@ -415,8 +415,8 @@ def test_tied_follower_is_the_leaders_transpose_and_trains_it():
 
 @pytest.mark.parametrize("tie_update", ["shared", "per_site"])
 def test_tied_update_shared_sums_gradients_per_site_steps_each_site(tie_update):
-    from pdecomp.resolve import resolve
-    from pdecomp.train import apply_component_updates, optimized_components, optimizer
+    from pdecomp.plan.resolve import resolve
+    from pdecomp.spd.step import apply_component_updates, optimized_components, optimizer
 
     cfg = RunConfig()
     cfg = dc.replace(cfg, layers=dc.replace(cfg.layers, tie_update=tie_update))
@@ -447,9 +447,10 @@ def test_tied_update_shared_sums_gradients_per_site_steps_each_site(tie_update):
 
 
 def test_train_step_takes_the_tied_update_it_is_configured_with():
-    from pdecomp import targets, toys
-    from pdecomp.resolve import resolve
-    from pdecomp.train import init_state, make_train_step
+    from pdecomp.kinds import cache as targets
+    from pdecomp.kinds import toy as toys
+    from pdecomp.plan.resolve import resolve
+    from pdecomp.spd.step import init_state, make_train_step
 
     base = dc.replace(RunConfig(), data=dc.replace(RunConfig().data, batch_size=64))
     target = targets.init_target(jax.random.PRNGKey(0), base.model)
@@ -472,9 +473,10 @@ def test_train_step_takes_the_tied_update_it_is_configured_with():
 
 
 def test_train_step_takes_its_optimizers_as_arguments():
-    from pdecomp import targets, toys
-    from pdecomp.resolve import resolve
-    from pdecomp.train import Optimizers, init_state, make_train_step
+    from pdecomp.kinds import cache as targets
+    from pdecomp.kinds import toy as toys
+    from pdecomp.plan.resolve import resolve
+    from pdecomp.spd.step import Optimizers, init_state, make_train_step
 
     cfg = dc.replace(RunConfig(), data=dc.replace(RunConfig().data, batch_size=64))
     target = targets.init_target(jax.random.PRNGKey(0), cfg.model)
@@ -507,9 +509,9 @@ def test_train_step_takes_its_optimizers_as_arguments():
     ("continuous", "all", "all"), ("binomial", "uniform_k", "chunkwise"),
     ("ci", "all", "layerwise")])
 def test_every_ci_fn_source_routing_and_plan_trains(ci_fn, source, routing, plan):
-    from pdecomp.config import ReconTermConfig
-    from pdecomp.resolve import resolve
-    from pdecomp.train import init_state, make_train_step
+    from pdecomp.core.config import ReconTermConfig
+    from pdecomp.plan.resolve import resolve
+    from pdecomp.spd.step import init_state, make_train_step
 
     base = RunConfig()
     term = ReconTermConfig(plan=plan, sites_per_chunk=1, source=source, routing=routing)

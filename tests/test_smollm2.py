@@ -21,8 +21,8 @@ from fixtures.smollm2.make_reference import sums  # the same sums the reference 
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
-from pdecomp import from_gguf
-from pdecomp.hf_checkpoint import load_config, load_hf
+from pdecomp.targets import from_gguf
+from pdecomp.targets.hf_checkpoint import load_config, load_hf
 
 HERE = Path(__file__).parent / "fixtures" / "smollm2"
 META = json.loads((HERE / "reference.json").read_text())

@@ -9,12 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pdecomp import targets, toys
-from pdecomp.checkpoint import Checkpointer
-from pdecomp.config import RunConfig, TMSConfig
-from pdecomp.gate import abstract
-from pdecomp.resolve import resolve
-from pdecomp.train import init_state, make_train_step
+from pdecomp.core.config import RunConfig, TMSConfig
+from pdecomp.gate.compiled import abstract
+from pdecomp.kinds import cache as targets
+from pdecomp.kinds import toy as toys
+from pdecomp.plan.resolve import resolve
+from pdecomp.run.checkpoint import Checkpointer
+from pdecomp.spd.step import init_state, make_train_step
 
 SMALL = TMSConfig(name="tms_small", train_steps=600, train_batch_size=512)
 

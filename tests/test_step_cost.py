@@ -1,4 +1,4 @@
-"""The step's cost read from XLA's partitioned module (pdecomp.step_cost): a small sharded
+"""The step's cost read from XLA's partitioned module (pdecomp.gate.step_cost): a small sharded
 step of known collectives counted by hand, and the roofline made of them."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from conftest import run_on_cpu_devices
 
-from pdecomp import hardware, step_cost
+from pdecomp.core import hardware
+from pdecomp.gate import step_cost
 
 LAYERS, ROWS, D = 3, 32, 64  # a scan of 3 layers; x [32, 64]; W [3, 64, 64]
 

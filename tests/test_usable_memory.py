@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from conftest import load_json, ok, pdecomp
 
-from pdecomp import hardware
-from pdecomp.config import ConfigError, RunConfig
-from pdecomp.gate import format_report
-from pdecomp.gating import gate_cap
-from pdecomp.resolve import resolve
+from pdecomp.core import hardware
+from pdecomp.core.config import ConfigError, RunConfig
+from pdecomp.gate.compiled import format_report
+from pdecomp.gate.step import gate_cap
+from pdecomp.plan.resolve import resolve
 
 pytestmark = pytest.mark.jax_versions  # the deviceless caps come from the compiled figures
 

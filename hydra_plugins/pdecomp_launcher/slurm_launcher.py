@@ -40,7 +40,7 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmitit
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from launcher import cluster, slurm_jobs, snapshot
-from pdecomp.exits import EXIT_GATE_REFUSED
+from pdecomp.core.exits import EXIT_GATE_REFUSED
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class SlurmLauncher(BaseSubmititLauncher):
     # -- where `pdecomp` was started ---------------------------------------------------------
     def launch(self, job_overrides: Sequence[Sequence[str]],
                initial_job_idx: int) -> Sequence[JobReturn]:
-        from pdecomp.resolve import provenance  # jax: not at Hydra's plugin scan
+        from pdecomp.plan.resolve import provenance  # jax: not at Hydra's plugin scan
 
         assert self.config is not None
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).absolute()
