@@ -181,7 +181,7 @@ def train_on_all_devices(cfg: Any, target_seed: int, state_seed: int, batches: l
         state, m = step(state, target, jax.device_put(batch, shard))
         # More simulated devices than cores: waiting on each step keeps collectives fed.
         jax.block_until_ready(m)
-        history.append(scalars(m, spec.sites))
+        history.append(scalars(m, spec.sites.names))
     return state, history
 
 

@@ -21,6 +21,7 @@ import pytest
 from conftest import PDECOMP, leet, ok, pdecomp
 
 from pdecomp.analysis import analyze, view
+from pdecomp.core.memory import MemoryPolicy
 from pdecomp.kinds.language_model import token_stream
 from pdecomp.run.load import load_run
 from pdecomp.spd import metrics
@@ -845,7 +846,7 @@ def _check_ablation(run, ids: np.ndarray, ci: dict[str, np.ndarray], ablation: l
 
     sites = tuple(ci)
     x = jnp.asarray(ids)
-    prefix, suffix = run.target.split(sites, jnp.float32)
+    prefix, suffix = run.target.split(sites, MemoryPolicy())
     resid = prefix(x)
 
     @jax.jit

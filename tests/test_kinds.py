@@ -19,6 +19,7 @@ from launcher import api
 from pdecomp import kinds
 from pdecomp.core import sharding
 from pdecomp.core.config import ConfigError, ModelConfig, TMSConfig
+from pdecomp.core.memory import PLAIN, MemoryPolicy
 from pdecomp.kinds import site_C
 from pdecomp.kinds.toy import ToyKind
 from pdecomp.plan.validation import validate
@@ -65,11 +66,10 @@ class Linear(eqx.Module):
     def site_weights(self) -> dict[str, Array]:
         return {"proj": self.W}
 
-    def split(self, sites: Sequence[str], dtype: Any, remat_layers: bool = False,
-              site_layer_saves: str = "linears", matmul_dtype: Any = None
+    def split(self, sites: Sequence[str], memory: MemoryPolicy = PLAIN
               ) -> tuple[Callable, Callable]:
-        return (lambda x: x.astype(dtype)), lambda x, linear, streams=None, live=None: self(
-            x, linear)
+        return (lambda x: x.astype(memory.dtype)), lambda x, linear, streams=None, live=None: (
+            self(x, linear))
 
 
 class LinearKind(ToyKind):

@@ -46,7 +46,7 @@ SCRIPT = textwrap.dedent("""
         spec = resolve(cfg).step
         if layout is None:
             new, m = jax.jit(make_train_step(spec))(state, target, batch)
-            return {"metrics": scalars(m, spec.sites), "state": leaves(new)}
+            return {"metrics": scalars(m, spec.sites.names), "state": leaves(new)}
         offload = OFFLOADED if cfg.memory.offload_opt_state else ()
         s_abs, t_abs = place(state, layout, offload), place(target, layout)
         specs = {str(x.sharding.spec) for x in jax.tree.leaves(s_abs)}
@@ -55,7 +55,7 @@ SCRIPT = textwrap.dedent("""
         new, m = step(jax.device_put(state, shardings(s_abs)),
                       jax.device_put(target, shardings(t_abs)),
                       jax.device_put(batch, NamedSharding(layout.mesh, P("data"))))
-        return {"metrics": scalars(m, spec.sites), "state": leaves(new),
+        return {"metrics": scalars(m, spec.sites.names), "state": leaves(new),
                 "specs": sorted(specs),
                 "moments_in": sorted({x.sharding.memory_kind for x in
                                       jax.tree.leaves((new.comp_opt, new.ci_opt))}),

@@ -27,6 +27,7 @@ from pdecomp.core.config import (
     ReconTermConfig,
     RunConfig,
 )
+from pdecomp.core.memory import MemoryPolicy
 from pdecomp.kinds import cache as targets
 from pdecomp.plan.resolve import resolve
 from pdecomp.plan.validation import validate
@@ -100,7 +101,7 @@ class Clean(NamedTuple):
 
 
 def clean_forward(cfg: RunConfig, target, state) -> Clean:
-    prefix, suffix = target.split(SITES, jnp.float32)
+    prefix, suffix = target.split(SITES, MemoryPolicy())
     resid = prefix(tokens(cfg))
     rec, streams = Recorded(), Recorded()
     clean_lp = losses.recon_target("kl", suffix(resid, recording_linear(rec, SITES), streams=streams))
@@ -122,7 +123,7 @@ def pgd_distance(c: Clean, components) -> Callable:
 def test_residual_start_and_suffix_equal_the_whole_model(setup):
     cfg, target, _ = setup
     x = tokens(cfg)
-    prefix, suffix = target.split(SITES, jnp.float32)
+    prefix, suffix = target.split(SITES, MemoryPolicy())
     np.testing.assert_allclose(suffix(prefix(x)), target(x), rtol=1e-5, atol=1e-5)
     # the prefix is layer 0 only: the first site lives in layer 1
     h0 = target.run_layers(target.embed_tokens(x), 0, 1)
@@ -189,7 +190,7 @@ def test_site_layers_under_one_scan_equal_them_unrolled(setup):
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
 
-    prefix, suffix = target.split(SITES, jnp.float32)
+    prefix, suffix = target.split(SITES, MemoryPolicy())
     x = tokens(cfg)
     runs = []
     for linear_of in (lambda rec: recording_linear(rec, SITES),

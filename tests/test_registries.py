@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 
 from launcher import app
-from pdecomp.core import hardware
+from pdecomp.core import hardware, memory
 from pdecomp.core.config import ConfigError, RunConfig
 from pdecomp.plan.validation import validate
 from pdecomp.spd import adversary, ci, losses, masks
 from pdecomp.spd import step as train
-from pdecomp.targets import llama
 
 pytestmark = pytest.mark.jax_versions  # every option composes and validates under each version
 
@@ -45,8 +44,8 @@ CHOICES = [
     (masks.SOURCES, "loss.recon.chunkwise.source", _llama),
     (masks.ROUTINGS, "loss.recon.chunkwise.routing", _llama),
     (losses.DISTANCES, "loss.distance", None),
-    (train.REMAT, "memory.remat", RunConfig),
-    (llama.SITE_LAYER_SAVES, "memory.site_layer_saves", RunConfig),
+    (memory.REMAT, "memory.remat", RunConfig),
+    (memory.SITE_LAYER_SAVES, "memory.site_layer_saves", RunConfig),
     (train.SCHEDULES, "optim.components.schedule", RunConfig),
     (masks.PGD_SCOPES, "loss.pgd.scope", _llama),
     (masks.PGD_SCOPES, "loss.eval_pgd.scope", _llama),

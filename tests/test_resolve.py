@@ -24,7 +24,7 @@ def test_a_run_is_resolved_once_and_frozen():
     assert dict(run.tied) == {"linear2": "linear1"}
     assert run.batch == BatchPlan(1024, 1, 1) and run.batch.microbatch == 1024
     assert run.placement.deviceless is False and run.placement.data_axis == 1
-    assert run.step.sites == ("linear1", "linear2") and run.step.positions == (1024,)
+    assert run.step.sites.names == ("linear1", "linear2") and run.step.positions == (1024,)
     assert run.config == run.composed == cfg  # nothing to resolve in a toy's config
     with pytest.raises(dc.FrozenInstanceError):
         run.batch = BatchPlan(1, 1, 1)  # type: ignore[misc]

@@ -349,7 +349,7 @@ class MemoryConfig:
     # compute_dtype float32 is mixed precision (matmuls at the bfloat16 units' rate; norms,
     # softmaxes, masks and the losses in float32). None: compute_dtype.
     matmul_dtype: DType | None = None
-    # Rematerialization of each recon forward (a name in pdecomp.spd.step.REMAT): none keeps
+    # Rematerialization of each recon forward (a name in pdecomp.core.memory.REMAT): none keeps
     # every activation for the backward; full keeps only the forward's inputs; save_dots keeps matmul
     # outputs; names keeps the tensors tagged `remat_names`; offload moves those to host.
     remat: str = "none"
@@ -365,7 +365,7 @@ class MemoryConfig:
     # site layers keep what `site_layer_saves` names and recompute the rest).
     remat_layers: bool = False
     # What a rematerialized run of site layers keeps per layer (a name in
-    # pdecomp.targets.llama.SITE_LAYER_SAVES): linears (every batchless matmul), sites (the
+    # pdecomp.core.memory.SITE_LAYER_SAVES): linears (every batchless matmul), sites (the
     # components' inner activations and the site outputs), nothing (the layer's input).
     site_layer_saves: str = "linears"
     # Keep the optimizer moments of components and CI function in pinned host memory between

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
 from pdecomp.core import hardware, sharding
+from pdecomp.core.memory import SITE_LAYER_SAVES
 from pdecomp.core.units import fmt_bytes
 from pdecomp.gate import compiled as gate_lib
 from pdecomp.gate import fit
@@ -27,7 +28,6 @@ from pdecomp.plan.resolve import Run
 from pdecomp.spd import metrics
 from pdecomp.spd.components import with_tied
 from pdecomp.spd.step import TrainState, make_train_step
-from pdecomp.targets.llama import SITE_LAYER_SAVES
 
 
 class GateRefused(RuntimeError):

@@ -25,10 +25,11 @@ from typing import Any
 import jax
 
 from pdecomp.core.config import RunConfig
+from pdecomp.core.memory import MemoryPolicy
 from pdecomp.core.sharding import Placement, is_deviceless, planned_gpus
 from pdecomp.kinds import EvalSpec, Kind, kind_of, site_C, tied_sites
 from pdecomp.spd.masks import make_plan
-from pdecomp.spd.step import ReconTerm, StepSpec
+from pdecomp.spd.step import Method, ReconTerm, Sites, StepSpec
 
 
 @dataclass(frozen=True)
@@ -168,22 +169,20 @@ def absolute_paths(cfg: RunConfig) -> RunConfig:
 def step_spec(cfg: RunConfig, kind: Kind, sites: Mapping[str, int],
               tied: Mapping[str, str]) -> StepSpec:
     """What the train step reads of the run: every group of it, in the step's terms."""
-    lo, mem, names = cfg.loss, cfg.memory, tuple(sites)
+    lo, names = cfg.loss, tuple(sites)
     recon = tuple(ReconTerm(n, t.coeff, make_plan(t.plan, names, t.sites_per_chunk),
                             t.source, t.routing) for n, t in lo.recon.items()
                   if t.coeff > 0)  # a zero coefficient switches a term off
-    return StepSpec(names, tuple(sites.values()), tuple(tied.items()), cfg.layers.tie_update,
-                    cfg.layers, cfg.layers.delta, recon,
-                    lo.pgd if lo.pgd.coeff > 0 else None, lo.distance,
-                    lo.faithfulness_coeff, lo.imp_min_coeff,
-                    (*((lo.gamma_start, lo.gamma_end) if lo.imp_min_penalty == "smooth_l0"
-                       else (lo.p_start, lo.p_end)),
-                     lo.p_anneal_start_frac, lo.p_anneal_end_frac),
-                    lo.beta, lo.eps, lo.imp_min_penalty, cfg.optim.steps, mem.compute_dtype,
-                    mem.matmul_dtype, mem.remat, tuple(mem.remat_names), cfg.optim.microbatches,
-                    mem.stream_ci, mem.remat_layers, mem.site_layer_saves,
-                    mem.offload_opt_state, lo.ci_threshold,
-                    kind.positions(cfg.data, cfg.data.batch_size), cfg.optim)
+    method = Method(
+        cfg.layers, cfg.layers.delta, recon, lo.pgd if lo.pgd.coeff > 0 else None, lo.distance,
+        lo.faithfulness_coeff, lo.imp_min_coeff,
+        (*((lo.gamma_start, lo.gamma_end) if lo.imp_min_penalty == "smooth_l0"
+           else (lo.p_start, lo.p_end)), lo.p_anneal_start_frac, lo.p_anneal_end_frac),
+        lo.beta, lo.eps, lo.imp_min_penalty, lo.ci_threshold)
+    return StepSpec(Sites(names, tuple(sites.values()), tuple(tied.items()),
+                          cfg.layers.tie_update),
+                    method, MemoryPolicy.of(cfg.memory), cfg.optim, cfg.optim.steps,
+                    cfg.optim.microbatches, kind.positions(cfg.data, cfg.data.batch_size))
 
 
 def _commit(root: Path) -> str | None:

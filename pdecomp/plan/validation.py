@@ -24,6 +24,7 @@ from pdecomp.core.config import (
     check_positive,
 )
 from pdecomp.core.hardware import GPUS
+from pdecomp.core.memory import REMAT, SITE_LAYER_SAVES
 from pdecomp.core.sharding import mesh_candidates, planned_gpus
 from pdecomp.kinds import KINDS, kind_of, site_names_of, tied_sites
 from pdecomp.plan.resolve import data_axis
@@ -31,8 +32,7 @@ from pdecomp.spd.adversary import PGD_OPTIMIZERS
 from pdecomp.spd.ci import CI_FNS
 from pdecomp.spd.losses import DISTANCES, PENALTIES
 from pdecomp.spd.masks import PGD_SCOPES, PLANS, ROUTINGS, SOURCES
-from pdecomp.spd.step import REMAT, SCHEDULES, TIE_UPDATES
-from pdecomp.targets.llama import SITE_LAYER_SAVES
+from pdecomp.spd.step import SCHEDULES, TIE_UPDATES
 
 
 def _choice(key: str, value: str, allowed: Iterable[str]) -> None:

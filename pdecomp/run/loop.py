@@ -155,7 +155,7 @@ class MetricsLog:
 
     def record(self, g: Gated, done: int, m: dict[str, Array], ckpt: Checkpointer) -> None:
         """Step `done`'s metrics with its speed and memory; NonFiniteLoss on a NaN or inf."""
-        last = scalars(m, g.run.step.sites)
+        last = scalars(m, g.run.step.sites.names)
         if not all(math.isfinite(v) for v in last.values()):
             ckpt.wait()  # a save in flight counts once it is complete
             saved = ckpt.steps_newest_first()

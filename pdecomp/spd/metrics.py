@@ -14,6 +14,7 @@ from jax.sharding import Sharding
 from jaxtyping import Array
 
 from pdecomp.core.config import EvalPGDConfig
+from pdecomp.core.memory import PLAIN, MemoryPolicy
 from pdecomp.spd import losses
 from pdecomp.spd.adversary import Adversary, ascend
 from pdecomp.spd.ci import ci_lower
@@ -50,7 +51,7 @@ class SiteForward(NamedTuple):
 
 def site_forward(target, components: Components, ci_fn, x: Array) -> SiteForward:
     record = Recorded()
-    prefix, suffix = target.split(tuple(components.sites), jnp.float32)
+    prefix, suffix = target.split(tuple(components.sites), PLAIN)
     resid = prefix(x)
     suffix(resid, recording_linear(record, components.sites))
     inputs = {s: record[s] for s in components.sites}
@@ -122,7 +123,7 @@ def lm_pgd_curve(target, components: Components, ci_fn, batches: Sequence[Array]
 
     @jax.jit
     def one(target, components, ci_fn, tokens, key):
-        prefix, suffix = target.split(sites, dtype)
+        prefix, suffix = target.split(sites, MemoryPolicy(compute_dtype=dtype))
         resid = prefix(tokens)
         record = Recorded()
         clean_lp = losses.recon_target("kl", suffix(resid, recording_linear(record, sites)))
@@ -168,7 +169,7 @@ def mask_metrics_program(sites: tuple[str, ...], threshold: float, delta: bool, 
 
     @jax.jit  # the model and its components are arguments, not constants of the program
     def one(target, components, ci_fn, tokens, key):
-        prefix, suffix = target.split(sites, dtype)
+        prefix, suffix = target.split(sites, MemoryPolicy(compute_dtype=dtype))
         resid = prefix(tokens)
         record = Recorded()
         clean = suffix(resid, recording_linear(record, sites))

@@ -29,6 +29,7 @@ import optax
 from jaxtyping import Array, PRNGKeyArray
 
 from pdecomp.core.config import LayersConfig, OptGroupConfig, OptimConfig, PGDConfig
+from pdecomp.core.memory import MemoryPolicy
 from pdecomp.core.sharding import DEVICE, HOST, Layout, move
 from pdecomp.spd import adversary as adversary_lib
 from pdecomp.spd import losses
@@ -77,15 +78,19 @@ class ReconTerm:
 
 
 @dataclass(frozen=True)
-class StepSpec:
-    """What training reads of a run (`pdecomp.plan.resolve.step_spec` makes it): the decomposed
-    sites, the method, the optimizers' settings and the memory plan. Everything in this
-    module takes it, not the config."""
+class Sites:
+    """The decomposed sites in order, their components, and their tying."""
 
-    sites: tuple[str, ...]
-    C: tuple[int, ...]  # components per site, in the order of `sites`
+    names: tuple[str, ...]
+    C: tuple[int, ...]  # components per site, in the order of `names`
     tied: tuple[tuple[str, str], ...]  # (follower, leader)
-    tie_update: str
+    tie_update: str  # a name in TIE_UPDATES
+
+
+@dataclass(frozen=True)
+class Method:
+    """What the loss is made of: the CI function, the terms and their settings."""
+
     ci: LayersConfig  # the CI function's settings (`layers.ci_*`)
     delta: bool
     recon: tuple[ReconTerm, ...]
@@ -97,41 +102,26 @@ class StepSpec:
     beta: float
     eps: float
     penalty: str  # importance minimality's per-value penalty (losses.PENALTIES)
-    total_steps: int
-    compute_dtype: str
-    matmul_dtype: str | None  # the forwards' matmul operands (None: compute_dtype)
-    remat: str
-    remat_names: tuple[str, ...]
-    microbatches: int
-    stream_ci: bool
-    remat_layers: bool
-    site_layer_saves: str
-    offload_opt_state: bool
     ci_threshold: float
-    positions: tuple[int, ...]  # a whole batch's positions (the adversary's sources)
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """What training reads of a run (`pdecomp.plan.resolve.step_spec` makes it): the decomposed
+    sites, the method, the memory plan, the optimizers' settings and the batch's shape.
+    Everything in this module takes it, not the config."""
+
+    sites: Sites
+    method: Method
+    memory: MemoryPolicy
     optim: OptimConfig
+    total_steps: int
+    microbatches: int
+    positions: tuple[int, ...]  # a whole batch's positions (the adversary's sources)
 
     @property
     def site_C(self) -> dict[str, int]:
-        return dict(zip(self.sites, self.C))
-
-
-_cp = jax.checkpoint_policies
-# The recon forwards' remat by name (`memory.remat`): remat_names -> the `jax.checkpoint`
-# policy; False: no rematerialization, None: save nothing but the inputs.
-REMAT: dict[str, Callable[[Sequence[str]], Callable | None | bool]] = {
-    "none": lambda names: False,
-    "full": lambda names: None,
-    "save_dots": lambda names: _cp.dots_with_no_batch_dims_saveable,
-    "names": lambda names: _cp.save_only_these_names(*names),
-    "offload": lambda names: _cp.save_and_offload_only_these_names(
-        names_which_can_be_saved=[], names_which_can_be_offloaded=list(names),
-        offload_src="device", offload_dst="pinned_host"),
-}
-
-
-def remat_policy(kind: str, names: Sequence[str]) -> Callable | None | bool:
-    return REMAT[kind](names)
+        return dict(zip(self.sites.names, self.sites.C))
 
 
 def pgd_lr(pgd: PGDConfig, total_steps: int) -> optax.Schedule:
@@ -183,8 +173,8 @@ def site_groups(spec: StepSpec, shapes: Mapping[str, tuple[int, int]]) -> Groups
     """The state's groups: the sites of one kind, shape and C stacked over their layers; a
     tied site (leader or follower) alone."""
     C = spec.site_C
-    return Groups.of(spec.sites, lambda s: (shapes[s], C[s]),
-                     alone=[s for pair in spec.tied for s in pair])
+    return Groups.of(spec.sites.names, lambda s: (shapes[s], C[s]),
+                     alone=[s for pair in spec.sites.tied for s in pair])
 
 
 def faithfulness(tied: Mapping[str, str], target, stepped: Components, acc: Components,
@@ -217,13 +207,13 @@ TIE_UPDATES: dict[str, Callable[[Components, dict[str, str]], Components]] = {
 
 
 def optimized_components(spec: StepSpec, components: Components) -> Components:
-    return TIE_UPDATES[spec.tie_update](components, dict(spec.tied))
+    return TIE_UPDATES[spec.sites.tie_update](components, dict(spec.sites.tied))
 
 
 def apply_component_updates(spec: StepSpec, components: Components,
                             updates: Components) -> Components:
     """Optimizer updates (shaped like `optimized_components`) applied to the owned sites."""
-    return optax.apply_updates(components, fold_tied(updates, dict(spec.tied)))
+    return optax.apply_updates(components, fold_tied(updates, dict(spec.sites.tied)))
 
 
 def init_state(key: PRNGKeyArray, spec: StepSpec, target,
@@ -231,18 +221,19 @@ def init_state(key: PRNGKeyArray, spec: StepSpec, target,
     """Fresh components and CI function for `target`, and the moments of `optimizers` (the
     spec's when None; pure: usable under eval_shape)."""
     opts = optimizers or Optimizers.of(spec.optim)
-    C, tied = spec.site_C, dict(spec.tied)
+    C, tied = spec.site_C, dict(spec.sites.tied)
     shapes = site_shapes(target)
     k_comp, k_ci, k_run = jax.random.split(key, 3)
     layout = site_groups(spec, shapes)
     own = {s: c for s, c in C.items() if s not in tied}  # followers own nothing
     components = Components.init(k_comp, shapes, own, reduce(Groups.without, tied, layout))
-    ci_fn = CIFunction.init(k_ci, spec.ci, {s: shapes[s][0] for s in C}, C, layout)
+    ci_fn = CIFunction.init(k_ci, spec.method.ci, {s: shapes[s][0] for s in C}, C, layout)
     adversary = None
-    if spec.pgd:
+    if spec.method.pgd:
         k_run, k_adv = jax.random.split(k_run)
         keys = jax.random.split(k_adv, len(C))
-        sources = {s: jax.random.uniform(k, pgd_source_shape(spec.pgd.scope, spec.positions,
+        sources = {s: jax.random.uniform(k, pgd_source_shape(spec.method.pgd.scope,
+                                                             spec.positions,
                                                              c))
                    for k, (s, c) in zip(keys, C.items())}
         adversary = adversary_lib.fresh(layout.stack(sources))
@@ -269,7 +260,7 @@ def faithfulness_warmup(spec: StepSpec, components: Components, target) -> Compo
             comps, opt_state = carry
             stepped = optimized_components(spec, comps)
             zero = jax.tree.map(jnp.zeros_like, stepped)
-            grads = faithfulness(dict(spec.tied), target, stepped, zero, 1.0)[1]
+            grads = faithfulness(dict(spec.sites.tied), target, stepped, zero, 1.0)[1]
             updates, opt_state = opt.update(grads, opt_state, stepped)
             return apply_component_updates(spec, comps, updates), opt_state
 
@@ -323,7 +314,7 @@ class StepPlan:
         opts = optimizers or Optimizers.of(spec.optim)
         pin = layout.constrain_positions if layout is not None else (lambda x: x)
         pin_stack = layout.constrain_members if layout is not None else (lambda x: x)
-        if spec.offload_opt_state:
+        if spec.memory.offload_opt_state:
             if layout is None:
                 raise ValueError("memory.offload_opt_state needs the step's layout")
             to_device = partial(move, layout=layout, memory_kind=DEVICE)
@@ -331,9 +322,10 @@ class StepPlan:
         else:
             to_device = to_host = lambda tree: tree
         return StepPlan(
-            spec, opts.components, opts.ci_fn, losses.DISTANCES[spec.distance],
-            jnp.dtype(spec.compute_dtype), remat_policy(spec.remat, spec.remat_names),
-            pgd_lr(spec.pgd, spec.total_steps) if spec.pgd else None, dict(spec.tied), pin,
+            spec, opts.components, opts.ci_fn, losses.DISTANCES[spec.method.distance],
+            spec.memory.dtype, spec.memory.recon_policy,
+            pgd_lr(spec.method.pgd, spec.total_steps) if spec.method.pgd else None,
+            dict(spec.sites.tied), pin,
             pin_stack, to_device, to_host)
 
 
@@ -365,7 +357,7 @@ def step(plan: StepPlan, state: TrainState, target, batch: Array) -> tuple[Train
 
     # 3. The adversary's warmup ascents.
     adversary, lr = state.adversary, None
-    if spec.pgd:
+    if spec.method.pgd:
         lr = plan.lr_pgd(state.step)
         adversary = warmup_ascents(ps, lr)
 
@@ -378,26 +370,27 @@ def step(plan: StepPlan, state: TrainState, target, batch: Array) -> tuple[Train
         return ps.add(acc, (g, aux))
 
     zero = jnp.zeros((), jnp.float32)
-    aux = ({**{f"recon_{t.name}": zero for t in spec.recon}, **({"pgd": zero} if spec.pgd
+    method = spec.method
+    aux = ({**{f"recon_{t.name}": zero for t in method.recon}, **({"pgd": zero} if method.pgd
                                                                 else {})},
            {g: jnp.zeros((len(ss),), jnp.float32) for g, ss in ps.layout.members})
     init = ps.zeros_like((params, aux))
     (g_comp, g_ci, g_src), (terms, l0) = ps.over_microbatches(accumulate, init)
     # Faithfulness reads the weights alone: its value, and its gradient added to the
     # microbatches' in place, once per step (the forwards need no W − V@U; `grouped`).
-    faith, g_comp = faithfulness(tied, target, stepped, g_comp, spec.faith_coeff)
+    faith, g_comp = faithfulness(tied, target, stepped, g_comp, spec.method.faith_coeff)
     # Materialised before the clip and the norm read them: at a batch of one, XLA:CPU fused
     # the whole of a toy's gradient into the norm's scalar reduction, a fusion LLVM did not
     # finish compiling in half an hour.
     g_comp = jax.lax.optimization_barrier(g_comp)
     terms = {"faithfulness": faith,
              "imp_min": terms.pop("imp_min") if imp_grad is None else imp_value, **terms}
-    terms["total"] = (spec.faith_coeff * faith + spec.imp_coeff * terms["imp_min"]
-                      + sum(t.coeff * terms[f"recon_{t.name}"] for t in spec.recon)
-                      + (spec.pgd.coeff * terms["pgd"] if spec.pgd else 0.0))
+    terms["total"] = (method.faith_coeff * faith + method.imp_coeff * terms["imp_min"]
+                      + sum(t.coeff * terms[f"recon_{t.name}"] for t in method.recon)
+                      + (method.pgd.coeff * terms["pgd"] if method.pgd else 0.0))
     new = update(plan, state, stepped, (g_comp, g_ci, g_src), adversary, lr, key)
     metrics = {**{f"loss/{k}": v for k, v in terms.items()},
-               "train/l0": site_order(ps.layout, spec.sites, l0),
+               "train/l0": site_order(ps.layout, spec.sites.names, l0),
                "train/p": ps.p, "train/grad_norm/components": optax.tree.norm(g_comp)}
     return new, metrics
 
@@ -435,9 +428,9 @@ def update(plan: StepPlan, state: TrainState, stepped: Components,
     upd, ci_state = plan.ci_opt.update(g_ci, ci_moments, state.ci_fn)
     ci_fn = optax.apply_updates(state.ci_fn, upd)
     comp_state, ci_state = plan.to_host((comp_state, ci_state))
-    if spec.pgd:
-        g_src = jax.tree.map(lambda g: g / spec.pgd.coeff, g_src)
-        adversary = ascend(adversary, g_src, lr, spec.pgd.optimizer)
+    if spec.method.pgd:
+        g_src = jax.tree.map(lambda g: g / spec.method.pgd.coeff, g_src)
+        adversary = ascend(adversary, g_src, lr, spec.method.pgd.optimizer)
     return TrainState(step=state.step + 1, components=components, ci_fn=ci_fn,
                       comp_opt=comp_state, ci_opt=ci_state, adversary=adversary, key=key)
 
@@ -449,14 +442,11 @@ class Pass:
     def __init__(self, plan: StepPlan, state: TrainState, target, batch: Array):
         self.plan, self.spec, self.state, self.batch = plan, plan.spec, state, batch
         self.n_micro = plan.spec.microbatches
-        self.prefix, self.suffix = target.split(self.spec.sites, plan.dtype,
-                                                self.spec.remat_layers,
-                                                self.spec.site_layer_saves,
-                                                self.spec.matmul_dtype)
+        self.prefix, self.suffix = target.split(self.spec.sites.names, self.spec.memory)
         # every site's group, followers of tied sites included (`with_tied`)
         self.layout = with_tied(state.components, plan.tied).layout
-        self.every = self.layout.live(self.spec.sites)
-        self.p = losses.p_at(state.step, self.spec.total_steps, *self.spec.p)
+        self.every = self.layout.live(self.spec.sites.names)
+        self.p = losses.p_at(state.step, self.spec.total_steps, *self.spec.method.p)
         # With one microbatch the clean forward runs once and every pass reads it.
         self.whole = self.observe(batch) if self.n_micro == 1 else None
         some = self.whole if self.whole is not None else jax.eval_shape(
@@ -475,12 +465,13 @@ class Pass:
         gives the recon target and the CI function's inputs."""
         resid = jax.lax.stop_gradient(self.prefix(batch))
         recorded, streams = Recorded(), Recorded()
-        clean = self.suffix(resid, recording_linear(recorded, self.spec.sites), streams=streams)
+        clean = self.suffix(resid, recording_linear(recorded, self.spec.sites.names),
+                            streams=streams)
         # each group's inputs whole, as a scan over its layers recorded them
         inputs = {g: recorded.stack(self.layout.of_group(g)) for g in self.every}
         return jax.lax.stop_gradient(Observed(
             resid, inputs, streams,
-            losses.recon_target(self.spec.distance, clean)))
+            losses.recon_target(self.spec.method.distance, clean)))
 
     def microbatch(self, x: Array, m: Array | int, axis: int = 0) -> Array:
         """Microbatch m holds examples m, m + n, m + 2n, ...: every device keeps its rows
@@ -523,21 +514,23 @@ class Pass:
         at_groups = self.layout.live(live)
         lower = self.group_lower(ci, at_groups, components)
         parts = group_parts(key, live, self.layout, source, routing, lower, at)
-        out = self.suffix(obs.resid, from_parts(components, parts, at_groups, self.spec.delta),
+        delta = self.spec.method.delta
+        out = self.suffix(obs.resid, from_parts(components, parts, at_groups, delta),
                           streams=obs.streams, live=live)
         return self.plan.distance(out, obs.recon_target)
 
     def pgd_distance(self, components, ci, sources, obs):
         lower = self.group_lower(ci, self.every, components)
         parts = {g: MaskParts(lower[g], src, None) for g, src in sources.items()}
-        out = self.suffix(obs.resid, from_parts(components, parts, self.every, self.spec.delta),
-                          streams=obs.streams, live=self.spec.sites)
+        delta = self.spec.method.delta
+        out = self.suffix(obs.resid, from_parts(components, parts, self.every, delta),
+                          streams=obs.streams, live=self.spec.sites.names)
         return self.plan.distance(out, obs.recon_target)
 
     def l0_of(self, lower: Array, lead: int = 0) -> Array:
         """The mean number of components over the threshold per position (per member of a
         stack: `lead` leading member axes)."""
-        active = jnp.sum(lower > self.spec.ci_threshold, axis=-1).astype(jnp.float32)
+        active = jnp.sum(lower > self.spec.method.ci_threshold, axis=-1).astype(jnp.float32)
         return jnp.mean(active, axis=tuple(range(lead, active.ndim)))
 
     def site_sums(self, ci_fn, features, components) -> tuple[dict, dict]:
@@ -545,8 +538,8 @@ class Pass:
         gone once they are taken (streamed: rematerialized, the backward recomputes them)."""
         def sums(logits):
             logits = self.plan.pin(logits)
-            S = losses.importance_sums({"": ci_upper(logits)}, self.p, self.spec.eps,
-                                       penalty=self.spec.penalty)[""]
+            S = losses.importance_sums({"": ci_upper(logits)}, self.p, self.spec.method.eps,
+                                       penalty=self.spec.method.penalty)[""]
             return S, jax.lax.stop_gradient(self.l0_of(ci_lower(logits)))
 
         out = ci_fn.per_group(features, self.every, components, sums)
@@ -567,19 +560,19 @@ def importance_over_batch(ps: Pass) -> tuple[Array, dict[str, Array]]:
 
     def sums(acc, obs, m, at):
         features = state.ci_fn.features(obs.inputs, comps)
-        if spec.stream_ci:  # one site's logits at a time
+        if spec.memory.stream_ci:  # one site's logits at a time
             S = ps.site_sums(state.ci_fn, features, comps)[0]
         else:
             upper = {g: ci_upper(v)
                      for g, v in state.ci_fn.logits_of(features, ps.every, comps).items()}
-            S = losses.importance_sums(upper, ps.p, spec.eps, members=True,
-                                       penalty=spec.penalty)
+            S = losses.importance_sums(upper, ps.p, spec.method.eps, members=True,
+                                       penalty=spec.method.penalty)
         return jax.tree.map(jnp.add, acc, S)
 
     C = spec.site_C
     S = ps.over_microbatches(sums, {g: jnp.zeros((len(ss), C[ss[0]]), jnp.float32)
                                     for g, ss in ps.layout.members})
-    return jax.value_and_grad(losses.importance_from_sums)(S, ps.n_pos, spec.beta)
+    return jax.value_and_grad(losses.importance_from_sums)(S, ps.n_pos, spec.method.beta)
 
 
 def warmup_ascents(ps: Pass, lr: Array) -> Adversary:
@@ -591,7 +584,7 @@ def warmup_ascents(ps: Pass, lr: Array) -> Adversary:
 
     def detached(obs):
         features = state.ci_fn.features(obs.inputs, comps)
-        if spec.stream_ci:
+        if spec.memory.stream_ci:
             return obs, (state.ci_fn, jax.lax.stop_gradient(features))
         return obs, jax.lax.stop_gradient(
             {g: ci_lower(v) for g, v in state.ci_fn.logits_of(features, ps.every, comps).items()})
@@ -607,9 +600,9 @@ def warmup_ascents(ps: Pass, lr: Array) -> Adversary:
             return ps.add(acc, jax.tree.map(lambda x: x / n_micro, g))
 
         g = ps.over_microbatches(grad_of, ps.zeros_like(adv.sources), detached, prepared)
-        return ascend(adv, g, lr, spec.pgd.optimizer)
+        return ascend(adv, g, lr, spec.method.pgd.optimizer)
 
-    return jax.lax.fori_loop(0, spec.pgd.n_warmup, warmup_ascent, state.adversary)
+    return jax.lax.fori_loop(0, spec.method.pgd.n_warmup, warmup_ascent, state.adversary)
 
 
 def loss_fn(ps: Pass, imp_grad: dict[str, Array] | None, step_key: Array, params: Trainable,
@@ -623,36 +616,36 @@ def loss_fn(ps: Pass, imp_grad: dict[str, Array] | None, step_key: Array, params
     # (optimized_components), with gradients of their own.
     components = with_tied(stepped_components, ps.plan.tied)
     # 2. Causal importances, and imp-min's sums and the L0s from them.
-    features = ci_fn.features(obs.inputs, components, spec.remat_layers)
-    if spec.stream_ci:
+    features = ci_fn.features(obs.inputs, components, spec.memory.remat_layers)
+    if spec.memory.stream_ci:
         ci = (ci_fn, features)
         S, l0 = ps.site_sums(ci_fn, features, components)
     else:
         logits = {g: ps.plan.pin_stack(v)
                   for g, v in ci_fn.logits_of(features, ps.every, components).items()}
         ci = {g: ci_lower(v) for g, v in logits.items()}
-        S = losses.importance_sums({g: ci_upper(v) for g, v in logits.items()}, ps.p, spec.eps,
-                                   members=True, penalty=spec.penalty)
+        S = losses.importance_sums({g: ci_upper(v) for g, v in logits.items()}, ps.p,
+                                   spec.method.eps, members=True, penalty=spec.method.penalty)
         l0 = {g: ps.l0_of(v, lead=1) for g, v in ci.items()}
     # 4. Losses: this microbatch's share of the batch means.
     if imp_grad is None:
-        imp = losses.importance_from_sums(S, ps.n_pos, spec.beta)
+        imp = losses.importance_from_sums(S, ps.n_pos, spec.method.beta)
         terms = {"imp_min": imp}
     else:
         imp = sum(jnp.sum(imp_grad[g] * S[g]) for g in S)
         terms = {}
-    total = spec.imp_coeff * imp
-    term_keys = jax.random.split(step_key, max(len(spec.recon), 1))
-    for term, term_key in zip(spec.recon, term_keys):
+    total = spec.method.imp_coeff * imp
+    term_keys = jax.random.split(step_key, max(len(spec.method.recon), 1))
+    for term, term_key in zip(spec.method.recon, term_keys):
         fwd_keys = jax.random.split(term_key, len(term.plan))
         ds = [ps.recon_distance(live, term.source, term.routing, components, ci, fwd_key,
                                 obs, at)
               for live, fwd_key in zip(term.plan, fwd_keys)]
         terms[f"recon_{term.name}"] = sum(ds) / len(ds) / n_micro
         total = total + term.coeff * terms[f"recon_{term.name}"]
-    if spec.pgd:
+    if spec.method.pgd:
         terms["pgd"] = ps.pgd_distance(
             components, ci, {s: ps.source_rows(v, m) for s, v in sources.items()},
             obs) / n_micro
-        total = total + spec.pgd.coeff * terms["pgd"]
+        total = total + spec.method.pgd.coeff * terms["pgd"]
     return total, (terms, {s: v / n_micro for s, v in l0.items()})

@@ -32,6 +32,7 @@ from jaxtyping import Array, Float, Int
 from pdecomp.core.blocks import apply_rope, rms_norm, rope_inv_freq, rope_tables
 from pdecomp.core.config import LLAMA_ATTN as ATTN
 from pdecomp.core.config import LLAMA_MLP as MLP
+from pdecomp.core.memory import PLAIN, MemoryPolicy
 from pdecomp.spd.components import (
     Groups,
     LinearFn,
@@ -78,21 +79,6 @@ def site_layer(site: str) -> int:
 def site_name(i: int, name: str) -> str:
     """(18, "gate_proj") -> `layers.18.mlp.gate_proj`."""
     return f"layers.{i}.{'self_attn' if name in ATTN else 'mlp'}.{name}"
-
-
-# What a scanned run of site layers keeps per layer for its backward when rematerialized
-# (`memory.site_layer_saves`), as a `jax.checkpoint` policy: `linears` every matmul
-# without a batch dimension (the frozen linears and the components': attention,
-# norms and activations recomputed); `sites` only the components' inner activations and
-# each site's output (the frozen linears recomputed too, a small share of the
-# FLOPs); `nothing` the layer's input alone (the components' matmuls recomputed as well).
-# In order of what they keep, most first (a refusal names those after the run's).
-_cp = jax.checkpoint_policies
-SITE_LAYER_SAVES: dict[str, Callable | None] = {
-    "linears": _cp.dots_with_no_batch_dims_saveable,
-    "sites": _cp.save_only_these_names("site_inner", "site_out"),
-    "nothing": None,
-}
 
 
 def _reads(linear: LinearFn, i: int) -> Any:
@@ -202,17 +188,17 @@ class Llama(eqx.Module):
 
     def run_layers(self, h: Array, start: int, stop: int, linear: LinearFn = frozen_linear,
                    hooked: Sequence[int] = (), streams: Recorded | None = None,
-                   remat: bool = False, saves: str = "linears", operand: Any = None
-                   ) -> Array:
+                   memory: MemoryPolicy = PLAIN) -> Array:
         """Layers [start, stop): runs of the layers not in `hooked` under one scan each
         (compile time flat in depth), and so runs of hooked layers whose sites read alike
         when `linear` is a `SiteLinear`; other hooked layers unrolled with named sites.
         `streams`, when given, receives the residual stream entering each hooked layer.
-        `remat`: a backward through the scanned layers recomputes each layer from its input
-        instead of keeping every layer's activations (attention scores included) at once;
-        a run of site layers keeps what `saves` names in SITE_LAYER_SAVES. `operand`: the
-        frozen layers' matmuls' operand dtype (a `SiteLinear` carries the site layers')."""
-        rope = self.rope(h.shape[1])
+        `memory.remat_layers`: a backward through the scanned layers recomputes each layer
+        from its input instead of keeping every layer's activations (attention scores
+        included) at once; a run of site layers keeps what `memory.site_layer_saves` names.
+        `memory.matmul_dtype`: the frozen layers' matmuls' operand dtype (a `SiteLinear`
+        carries the site layers')."""
+        rope, operand = self.rope(h.shape[1]), memory.matmul_dtype
         i = start
         while i < stop:
             j = i + 1
@@ -221,8 +207,8 @@ class Llama(eqx.Module):
                 while j < stop and j in hooked and _reads(linear, j) == reads \
                         and _follows(linear, i, j):
                     j += 1
-                h = (self._scan_sites(h, i, j, linear, rope, streams, remat, saves) if j - i > 1 else
-                     self._hooked(h, i, linear, rope, streams, operand))
+                h = (self._scan_sites(h, i, j, linear, rope, streams, memory) if j - i > 1
+                     else self._hooked(h, i, linear, rope, streams, operand))
                 i = j
                 continue
             while j < stop and j not in hooked:
@@ -237,7 +223,7 @@ class Llama(eqx.Module):
             # (SmolLM2's 28 leading layers: three 94.5 MiB temporaries; on an H100 the step
             # went from 7.1 to 6.2 ms). The hooked runs below keep the slice: indexed there,
             # the 8B preset's peak grew 1.7 GiB.
-            h, _ = jax.lax.scan(jax.checkpoint(body) if remat else body, h,
+            h, _ = jax.lax.scan(jax.checkpoint(body) if memory.remat_layers else body, h,
                                 jnp.arange(i, j))
             i = j
         return h
@@ -252,7 +238,7 @@ class Llama(eqx.Module):
 
     def _scan_sites(self, h: Array, i: int, j: int, linear: SiteLinear,
                     rope: tuple[Array, Array], streams: Recorded | None,
-                    remat: bool, saves: str) -> Array:
+                    memory: MemoryPolicy) -> Array:
         """Hooked layers [i, j), whose sites are successive members of their groups, under
         one scan: one traced layer however many there are. Each kind's data is its group's,
         already stacked (sliced to these layers' members where the group has more); the
@@ -285,8 +271,8 @@ class Llama(eqx.Module):
         # batch dimension: the linears, the components' among them, most of a site layer's
         # FLOPs) and recomputes the rest: at least the attention's two einsums and softmax,
         # whose [B, heads, T, T] scores would otherwise be kept for every layer of the run.
-        if remat:
-            body = jax.checkpoint(body, policy=SITE_LAYER_SAVES[saves])
+        if memory.remat_layers:
+            body = jax.checkpoint(body, policy=memory.site_layer_policy)
         h, (entering, seen) = jax.lax.scan(body, h, (self.layer(slice(i, j)), stacked))
         if streams is not None:
             streams.put_run(tuple(range(i, j)), entering)
@@ -294,8 +280,7 @@ class Llama(eqx.Module):
             linear.record.put_run(tuple(site_name(k, n) for k in range(i, j)), x)
         return h
 
-    def split(self, sites: Sequence[str], dtype: Any, remat_layers: bool = False,
-              site_layer_saves: str = "linears", matmul_dtype: Any = None
+    def split(self, sites: Sequence[str], memory: MemoryPolicy = PLAIN
               ) -> tuple[Callable, Callable]:
         """(prefix, suffix) around the first layer that holds a site.
 
@@ -306,16 +291,19 @@ class Llama(eqx.Module):
         `live` starts from the clean stream at its first live layer (the layers before it
         are all frozen, so the result is the same) and hooks only the live layers: a
         chunk's forward costs its own layers and those after it, not the whole suffix.
-        Every matmul of both takes `matmul_dtype` operands (`components.dot`; None: `dtype`).
+        The layers compute in `memory.dtype`, every matmul of both takes `memory.matmul_dtype`
+        operands (`components.dot`; None: the compute dtype), and the suffix rematerializes
+        as `memory` says.
         """
         hooked = sorted({site_layer(s) for s in sites})
         start = hooked[0]
 
-        op = matmul_dtype
+        op = memory.matmul_dtype
+        outside_grads = replace(memory, remat_layers=False)  # the prefix has no backward
 
         def prefix(tokens: Array) -> Array:
-            return self.run_layers(self.embed_tokens(tokens).astype(dtype), 0, start,
-                                   operand=op)
+            return self.run_layers(self.embed_tokens(tokens).astype(memory.dtype), 0, start,
+                                   memory=outside_grads)
 
         def suffix(h: Array, linear: LinearFn = frozen_linear,
                    streams: Recorded | None = None,
@@ -324,13 +312,11 @@ class Llama(eqx.Module):
                 linear = replace(linear, operand=op)
             if live is None or not streams:
                 return self.logits(self.run_layers(h, start, self.n_layers, linear, hooked,
-                                                   streams, remat_layers, site_layer_saves,
-                                                   op), op)
+                                                   streams, memory), op)
             live_layers = sorted({site_layer(s) for s in live})
             first = live_layers[0]
             return self.logits(self.run_layers(streams[first], first, self.n_layers, linear,
-                                               live_layers, remat=remat_layers,
-                                               saves=site_layer_saves, operand=op), op)
+                                               live_layers, memory=memory), op)
 
         return prefix, suffix
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
 
 import equinox as eqx
 import jax
@@ -14,19 +13,20 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from pdecomp.core import threefry
+from pdecomp.core.memory import PLAIN, MemoryPolicy
 from pdecomp.spd.components import LinearFn, SiteLinear, frozen_linear
 
 
-def _whole_forward(target, dtype: Any, matmul_dtype: Any) -> tuple[Callable, Callable]:
-    """A toy's (prefix, suffix): no layer is worth skipping, so the prefix only casts and
-    every forward runs the whole model (the LM-only `streams` and `live` are ignored); its
-    sites' matmuls take `matmul_dtype` operands."""
+def _whole_forward(target, memory: MemoryPolicy) -> tuple[Callable, Callable]:
+    """A toy's (prefix, suffix): no layer is worth skipping, so the prefix only casts to
+    the compute dtype and every forward runs the whole model (the LM-only `streams` and
+    `live` are ignored); its sites' matmuls take `memory.matmul_dtype` operands."""
     def suffix(x, linear, streams=None, live=None):
         if isinstance(linear, SiteLinear):
-            linear = replace(linear, operand=matmul_dtype)
+            linear = replace(linear, operand=memory.matmul_dtype)
         return target(x, linear)
 
-    return (lambda x: x.astype(dtype)), suffix
+    return (lambda x: x.astype(memory.dtype)), suffix
 
 
 class TMS(eqx.Module):
@@ -45,11 +45,10 @@ class TMS(eqx.Module):
             h = linear(name, h, H)
         return jax.nn.relu(linear("linear2", h, self.W.T) + self.b)
 
-    def split(self, sites: Sequence[str], dtype: Any, remat_layers: bool = False,
-              site_layer_saves: str = "linears", matmul_dtype: Any = None
+    def split(self, sites: Sequence[str], memory: MemoryPolicy = PLAIN
               ) -> tuple[Callable, Callable]:
-        del sites, remat_layers, site_layer_saves
-        return _whole_forward(self, dtype, matmul_dtype)
+        del sites
+        return _whole_forward(self, memory)
 
     def _hidden_names(self) -> list[str]:
         n = len(self.hidden)
@@ -76,11 +75,10 @@ class ResidMLP(eqx.Module):
             resid = resid + linear(f"layers.{i}.mlp_out", h, self.W_out[i]) + self.b_out[i]
         return resid @ self.W_E.T
 
-    def split(self, sites: Sequence[str], dtype: Any, remat_layers: bool = False,
-              site_layer_saves: str = "linears", matmul_dtype: Any = None
+    def split(self, sites: Sequence[str], memory: MemoryPolicy = PLAIN
               ) -> tuple[Callable, Callable]:
-        del sites, remat_layers, site_layer_saves
-        return _whole_forward(self, dtype, matmul_dtype)
+        del sites
+        return _whole_forward(self, memory)
 
     def site_weights(self) -> dict[str, Array]:
         out = {}
