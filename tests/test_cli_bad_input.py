@@ -1,7 +1,10 @@
 """Bad input on the `pdecomp` command line: exit code 2, one line naming the key, no trace.
 
-Every case runs the real console script in a fresh, empty working directory and checks
-that the launcher refused before Hydra made a run (or sweep) directory.
+Every case runs in a fresh, empty working directory and checks that the launcher refused
+before Hydra made a run (or sweep) directory. The table of cases runs the console script's
+`main` each in a process of its own, forked from one that imported it once (`FORKED`: the
+same code path without 57 start-ups of Python, jax and Hydra); the others run the console
+script itself.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -97,10 +101,54 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("argv", "key"), [pytest.param(a, k, id=i) for i, a, k in CASES])
-def test_bad_input_exits_2_with_one_line(argv: list[str], key: str | tuple[str, ...],
-                                         env: dict[str, str], tmp_path: Path) -> None:
-    refused(argv, key, env, tmp_path)
+# Runs each case's argv through `launcher.app.main` in a fork of this process (imported
+# once), its stdout and stderr to files, in its own directory; prints [exit code, ...].
+FORKED = r"""
+import json, os, sys, traceback
+cases = json.loads(sys.stdin.read())
+from launcher.app import main
+codes = []
+for argv, cwd in cases:
+    pid = os.fork()
+    if pid == 0:
+        out = os.open(os.path.join(cwd, "..", "out"), os.O_WRONLY | os.O_CREAT)
+        err = os.open(os.path.join(cwd, "..", "err"), os.O_WRONLY | os.O_CREAT)
+        os.dup2(out, 1), os.dup2(err, 2), os.chdir(cwd)
+        sys.argv = ["pdecomp", *argv]
+        try:
+            main()
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (e.code is not None)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(code)
+    codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+print(json.dumps(codes))
+"""
+
+
+@pytest.fixture(scope="module")
+def forked(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+           ) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Every case of CASES refused (or not) as `main` ran it, by id; each case's directory."""
+    root = tmp_path_factory.mktemp("cases")
+    for i, _, _ in CASES:
+        (root / i / "cwd").mkdir(parents=True)
+    proc = subprocess.run([sys.executable, "-c", FORKED], check=True, env=env, text=True,
+                          capture_output=True, timeout=900, input=json.dumps(
+                              [[a, str(root / i / "cwd")] for i, a, _ in CASES]))
+    codes = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {i: subprocess.CompletedProcess(a, c, (root / i / "out").read_text(),
+                                           (root / i / "err").read_text())
+            for (i, a, _), c in zip(CASES, codes, strict=True)} | {"": root}
+
+
+@pytest.mark.parametrize(("case", "key"), [pytest.param(i, k, id=i) for i, _, k in CASES])
+def test_bad_input_exits_2_with_one_line(case: str, key: str | tuple[str, ...], forked) -> None:
+    check_refused(forked[case], key, forked[""] / case / "cwd")
 
 
 @pytest.mark.parametrize("n", ["two", "0", "-1"])
@@ -111,8 +159,12 @@ def test_a_bad_cpu_device_count_exits_2_with_one_line(n: str, env: dict[str, str
 
 def refused(argv: list[str], key: str | tuple[str, ...], env: dict[str, str],
             tmp_path: Path) -> None:
-    proc = subprocess.run([PDECOMP, *argv], check=False, cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+    check_refused(subprocess.run([PDECOMP, *argv], check=False, cwd=tmp_path, env=env,
+                                 capture_output=True, text=True, timeout=120), key, tmp_path)
+
+
+def check_refused(proc: subprocess.CompletedProcess[str], key: str | tuple[str, ...],
+                  tmp_path: Path) -> None:
     err = proc.stderr.strip()
     assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
     assert "Traceback" not in proc.stderr, proc.stderr

@@ -191,6 +191,8 @@ def test_no_microbatch_count_fits_costs_one_compile():
     assert report["fit"]["why"].startswith("even 64 microbatches")
 
 
+@pytest.mark.slow  # four compiles of batch 256 (most of three minutes); fit_microbatches'
+# choice is the fast tier's above, and the CLI's gate.fit path is test_cli_fit_mesh's
 def test_cli_fit_microbatches_takes_the_fewest_under_the_cap(tmp_path: Path,
                                                              env: dict[str, str]) -> None:
     """The residual MLP at batch 256 (its activations most of its peak) under a cap of 3/4

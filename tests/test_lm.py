@@ -366,7 +366,7 @@ def test_pgd_warmup_ascents_and_the_after_backward_ascent_are_counted(setup, ste
     assert np.isfinite(float(m["loss/pgd"])) and float(m["loss/pgd"]) > 0
 
 
-@pytest.mark.parametrize("n_warmup", [2, 0])
+@pytest.mark.parametrize("n_warmup", [2, pytest.param(0, marks=pytest.mark.slow)])  # 0: a compile
 def test_the_training_adversary_ascends(setup, step, n_warmup):
     """A train step moves the persistent sources uphill: against the components and CI the
     step started from, on its batch, the distance under the sources after the step is

@@ -1,17 +1,14 @@
 """Each method choice is declared once, in a registry beside its implementation (name ->
-implementation); the allowed names and the refusal derive from it. Every option of every
-config group composes, and every preset validates."""
+implementation); the allowed names and the refusal derive from it."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses as dc
-import re
 from pathlib import Path
 
 import pytest
 
-from launcher import app
 from pdecomp.core import hardware, memory
 from pdecomp.core.config import ConfigError, RunConfig
 from pdecomp.plan.validation import validate
@@ -91,45 +88,6 @@ def test_the_schema_and_its_checks_spell_no_registered_name_in_a_tuple_of_choice
             if isinstance(node, ast.Tuple | ast.List | ast.Set):
                 names = {e.value for e in node.elts if isinstance(e, ast.Constant)}
                 assert all(len(names & r) < 2 for r in registries), ast.unparse(node)
-
-
-def _options() -> list[tuple[str, str]]:
-    groups = sorted(p for p in Path(app.CONF_DIR).iterdir() if p.is_dir())
-    return [(g.name, o.stem) for g in groups for o in sorted(g.glob("*.yaml"))]
-
-
-def test_every_option_of_every_group_composes_and_every_preset_validates():
-    """An experiment is a whole run and validates as it is; any other option composes and
-    validates over the defaults or over one of the experiments (an option for a Llama or a
-    residual MLP over theirs; the 8B model's groups over the 8B preset's gate, or over its
-    model with the Llama groups; the 70B preset likewise). A preset of a real model reads the user's token file:
-    without one it validates as a gate-only run (its shapes need no data)."""
-    gpu_gate = ["gate.only=true", "gate.target=b200"]
-    real_model = ["gate.only=true"]  # the smollm2_* presets
-    experiments = [[f"+experiment={o}", *(gpu_gate if re.search(r"\d+b_", o)
-                                          else real_model if o.startswith("smollm2_") else [])]
-                   for g, o in _options() if g == "experiment"]
-    bases = [[], *experiments,
-             ["model=llama3_8b", "loss=llama", "optim=llama", "data=tokens", *gpu_gate]]
-    composed = []
-    with app.conf_dir():
-        for base in experiments:
-            app.compose_run(base)
-            composed.append(base[0])
-        for group, option in _options():
-            if group == "experiment":
-                continue
-            errors = []
-            for base in bases:
-                try:
-                    app.compose_run([*base, f"{group}={option}"])
-                    break
-                except ConfigError as e:  # an option for another model kind
-                    errors.append(str(e))
-            else:
-                raise AssertionError(f"{group}={option} fits no preset: {errors}")
-            composed.append(f"{group}={option}")
-    assert len(composed) >= 30, composed
 
 
 def test_site_patterns_expand_in_the_targets_order():
