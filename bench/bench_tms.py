@@ -25,7 +25,8 @@ STEP_SCRIPT = textwrap.dedent("""
     import dataclasses, json, sys, time, jax, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from launcher import host
-    from pdecomp import targets, toys
+    from pdecomp.kinds import cache as targets
+    from pdecomp.kinds import toy as toys
     from pdecomp.core.config import RunConfig
     from pdecomp.plan.resolve import resolve
     from pdecomp.spd.step import init_state, make_train_step

@@ -342,7 +342,7 @@ import json, sys
 from pathlib import Path
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from pdecomp import analysis_state
+from pdecomp.analysis import state as analysis_state
 mesh = Mesh(np.array(jax.devices()).reshape(1, -1), ("data", "model"))
 counts = jax.device_put(jnp.arange(36, dtype=jnp.int32).reshape(6, 6),
                         NamedSharding(mesh, P("model", None)))

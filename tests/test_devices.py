@@ -16,7 +16,9 @@ SCRIPT = textwrap.dedent("""
     import json, sys, dataclasses as dc
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from pdecomp import losses, targets, toys
+    from pdecomp.kinds import cache as targets
+    from pdecomp.kinds import toy as toys
+    from pdecomp.spd import losses
     from pdecomp.core.config import RunConfig
     from pdecomp.spd.ci import ci_upper
     from conftest import train_on_all_devices

@@ -297,7 +297,7 @@ def _tokenize_rss(args: list[str]) -> int:
 
     # VmHWM: this program's own peak (getrusage's maxrss would include the forking parent's,
     # which Linux carries across exec).
-    code = ("import re, sys; from pdecomp import text; rc = tokenize.main(sys.argv[1:]); "
+    code = ("import re, sys; from launcher.commands import tokenize; rc = tokenize.main(sys.argv[1:]); "
             "status = open('/proc/self/status').read(); "
             "print(re.search(r'VmHWM:\\s+(\\d+) kB', status).group(1)); sys.exit(rc)")
     proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,

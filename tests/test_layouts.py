@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent("""
     import json, dataclasses as dc
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from pdecomp import targets
+    from pdecomp.kinds import cache as targets
     from pdecomp.core.sharding import OFFLOADED, Layout, place, shardings
     from pdecomp.plan.resolve import resolve
     from pdecomp.spd.step import init_state, make_train_step, scalars

@@ -18,7 +18,7 @@ STEP = f"""
 import json
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
-from pdecomp import step_cost
+from pdecomp.gate import step_cost
 
 mesh = jax.make_mesh((4, 2), ("data", "model"))
 
