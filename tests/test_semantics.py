@@ -301,7 +301,7 @@ def test_recon_term_with_zero_coeff_is_off():
     cfg = RunConfig()
     recon = {**cfg.loss.recon, "layerwise": dc.replace(cfg.loss.recon["layerwise"], coeff=0.0)}
     spec = resolve(dc.replace(cfg, loss=dc.replace(cfg.loss, recon=recon))).step
-    assert [t.name for t in spec.method.recon] == ["full"]
+    assert [t.name for t in spec.method.terms] == ["recon_full"]
 
 
 def test_tms_sites_in_canonical_order():

@@ -28,8 +28,8 @@ from pdecomp.core.config import RunConfig
 from pdecomp.core.memory import MemoryPolicy
 from pdecomp.core.sharding import Placement, is_deviceless, planned_gpus
 from pdecomp.kinds import EvalSpec, Kind, kind_of, site_C, tied_sites
-from pdecomp.spd.masks import make_plan
-from pdecomp.spd.step import Method, ReconTerm, Sites, StepSpec
+from pdecomp.spd import terms
+from pdecomp.spd.step import Method, Sites, StepSpec
 
 
 @dataclass(frozen=True)
@@ -170,19 +170,19 @@ def step_spec(cfg: RunConfig, kind: Kind, sites: Mapping[str, int],
               tied: Mapping[str, str]) -> StepSpec:
     """What the train step reads of the run: every group of it, in the step's terms."""
     lo, names = cfg.loss, tuple(sites)
-    recon = tuple(ReconTerm(n, t.coeff, make_plan(t.plan, names, t.sites_per_chunk),
-                            t.source, t.routing) for n, t in lo.recon.items()
-                  if t.coeff > 0)  # a zero coefficient switches a term off
+    p = ((lo.gamma_start, lo.gamma_end) if lo.imp_min_penalty == "smooth_l0"
+         else (lo.p_start, lo.p_end))
     method = Method(
-        cfg.layers, cfg.layers.delta, recon, lo.pgd if lo.pgd.coeff > 0 else None, lo.distance,
-        lo.faithfulness_coeff, lo.imp_min_coeff,
-        (*((lo.gamma_start, lo.gamma_end) if lo.imp_min_penalty == "smooth_l0"
-           else (lo.p_start, lo.p_end)), lo.p_anneal_start_frac, lo.p_anneal_end_frac),
-        lo.beta, lo.eps, lo.imp_min_penalty, lo.ci_threshold)
-    return StepSpec(Sites(names, tuple(sites.values()), tuple(tied.items()),
-                          cfg.layers.tie_update),
-                    method, MemoryPolicy.of(cfg.memory), cfg.optim, cfg.optim.steps,
-                    cfg.optim.microbatches, kind.positions(cfg.data, cfg.data.batch_size))
+        ci=cfg.layers, delta=cfg.layers.delta, terms=terms.of(lo, names),
+        pgd=lo.pgd if lo.pgd.coeff > 0 else None, distance=lo.distance,
+        faith_coeff=lo.faithfulness_coeff, imp_coeff=lo.imp_min_coeff,
+        p=(*p, lo.p_anneal_start_frac, lo.p_anneal_end_frac), beta=lo.beta, eps=lo.eps,
+        penalty=lo.imp_min_penalty, ci_threshold=lo.ci_threshold)
+    return StepSpec(
+        sites=Sites(names, tuple(sites.values()), tuple(tied.items()), cfg.layers.tie_update),
+        method=method, memory=MemoryPolicy.of(cfg.memory), optim=cfg.optim,
+        total_steps=cfg.optim.steps, microbatches=cfg.optim.microbatches,
+        positions=kind.positions(cfg.data, cfg.data.batch_size))
 
 
 def _commit(root: Path) -> str | None:

@@ -7,8 +7,9 @@
    is the recon target;
 2. CI function on those site inputs → logits → ci_lower (masks) and ci_upper (imp-min);
 3. the persistent adversary's warmup ascents (components and CI detached);
-4. loss = faithfulness + imp-min(p(step)) + Σ coeff · mean over each plan's forwards of
-   D(masked forward, clean) + coeff · D(adversarial forward, clean);
+4. loss = faithfulness + imp-min(p(step)) + Σ coeff · value over the method's terms on
+   masked forwards (`terms`: each recon plan's mean D(masked forward, clean), the
+   adversary's D(adversarial forward, clean));
 5. one backward; AdamW on components (global-norm clipped) and on the CI function; one
    more ascent of the adversary's sources with their gradient from that backward.
 """
@@ -48,12 +49,8 @@ from pdecomp.spd.components import (
     weight_stacks,
     with_tied,
 )
-from pdecomp.spd.masks import (
-    Plan,
-    Positions,
-    group_parts,
-    pgd_source_shape,
-)
+from pdecomp.spd.masks import Positions, group_parts, pgd_source_shape
+from pdecomp.spd.terms import Microbatch, Term
 
 
 class TrainState(eqx.Module):
@@ -66,15 +63,6 @@ class TrainState(eqx.Module):
     ci_opt: optax.OptState
     adversary: Adversary | None  # None: no persistent PGD term
     key: Array  # raw uint32 PRNG key, so checkpoints hold plain arrays
-
-
-@dataclass(frozen=True)
-class ReconTerm:
-    name: str
-    coeff: float
-    plan: Plan
-    source: str
-    routing: str
 
 
 @dataclass(frozen=True)
@@ -93,8 +81,8 @@ class Method:
 
     ci: LayersConfig  # the CI function's settings (`layers.ci_*`)
     delta: bool
-    recon: tuple[ReconTerm, ...]
-    pgd: PGDConfig | None  # None: off
+    terms: tuple[Term, ...]  # the terms on masked forwards (`pdecomp.spd.terms`)
+    pgd: PGDConfig | None  # the persistent adversary's settings (None: no adversary)
     distance: str
     faith_coeff: float
     imp_coeff: float
@@ -369,10 +357,8 @@ def step(plan: StepPlan, state: TrainState, target, batch: Array) -> tuple[Train
         (_, aux), g = grad_fn(params, obs, m, at)
         return ps.add(acc, (g, aux))
 
-    zero = jnp.zeros((), jnp.float32)
     method = spec.method
-    aux = ({**{f"recon_{t.name}": zero for t in method.recon}, **({"pgd": zero} if method.pgd
-                                                                else {})},
+    aux = ({t.name: jnp.zeros((), jnp.float32) for t in method.terms},
            {g: jnp.zeros((len(ss),), jnp.float32) for g, ss in ps.layout.members})
     init = ps.zeros_like((params, aux))
     (g_comp, g_ci, g_src), (terms, l0) = ps.over_microbatches(accumulate, init)
@@ -385,9 +371,10 @@ def step(plan: StepPlan, state: TrainState, target, batch: Array) -> tuple[Train
     g_comp = jax.lax.optimization_barrier(g_comp)
     terms = {"faithfulness": faith,
              "imp_min": terms.pop("imp_min") if imp_grad is None else imp_value, **terms}
-    terms["total"] = (method.faith_coeff * faith + method.imp_coeff * terms["imp_min"]
-                      + sum(t.coeff * terms[f"recon_{t.name}"] for t in method.recon)
-                      + (method.pgd.coeff * terms["pgd"] if method.pgd else 0.0))
+    total = method.faith_coeff * faith + method.imp_coeff * terms["imp_min"]
+    for t in method.terms:
+        total = total + t.coeff * terms[t.name]
+    terms["total"] = total
     new = update(plan, state, stepped, (g_comp, g_ci, g_src), adversary, lr, key)
     metrics = {**{f"loss/{k}": v for k, v in terms.items()},
                "train/l0": site_order(ps.layout, spec.sites.names, l0),
@@ -635,17 +622,10 @@ def loss_fn(ps: Pass, imp_grad: dict[str, Array] | None, step_key: Array, params
         imp = sum(jnp.sum(imp_grad[g] * S[g]) for g in S)
         terms = {}
     total = spec.method.imp_coeff * imp
-    term_keys = jax.random.split(step_key, max(len(spec.method.recon), 1))
-    for term, term_key in zip(spec.method.recon, term_keys):
-        fwd_keys = jax.random.split(term_key, len(term.plan))
-        ds = [ps.recon_distance(live, term.source, term.routing, components, ci, fwd_key,
-                                obs, at)
-              for live, fwd_key in zip(term.plan, fwd_keys)]
-        terms[f"recon_{term.name}"] = sum(ds) / len(ds) / n_micro
-        total = total + term.coeff * terms[f"recon_{term.name}"]
-    if spec.method.pgd:
-        terms["pgd"] = ps.pgd_distance(
-            components, ci, {s: ps.source_rows(v, m) for s, v in sources.items()},
-            obs) / n_micro
-        total = total + spec.method.pgd.coeff * terms["pgd"]
+    rows = sources and {s: ps.source_rows(v, m) for s, v in sources.items()}
+    mb = Microbatch(ps, components, ci, rows, obs, at)
+    keys = jax.random.split(step_key, max(len(spec.method.terms), 1))
+    for term, key in zip(spec.method.terms, keys):
+        terms[term.name] = term.value(mb, key) / n_micro
+        total = total + term.coeff * terms[term.name]
     return total, (terms, {s: v / n_micro for s, v in l0.items()})
