@@ -28,27 +28,27 @@ from pdecomp.core.config import ConfigError, RunConfig
 from pdecomp.core.exits import EXIT_BAD_CONFIG, EXIT_FAULT, EXIT_GATE_REFUSED, EXIT_REQUEUED
 from pdecomp.core.storage import WriteFailed
 from pdecomp.core.units import GiB, fmt_bytes
+from pdecomp.gate.report import GateReport
+from pdecomp.gate.report import rows as gate_rows
 
 console = make_console(stderr=True)
 
 
-def gate_table(report: dict[str, Any], title: str = "memory gate (per device)") -> Table:
-    from pdecomp.gate.compiled import format_report
-
+def gate_table(report: GateReport, title: str = "memory gate (per device)") -> Table:
     table = Table(title=title, show_header=False)
-    for label, value in format_report(report):
+    for label, value in gate_rows(report):
         table.add_row(label, value)
     return table
 
 
-def temps_table(report: dict[str, Any]) -> Table | None:
+def temps_table(report: GateReport) -> Table | None:
     """What to cut: the largest temporaries, with the operation and source line behind each."""
-    if not report.get("largest_temps"):
+    if not report.largest_temps:
         return None
     table = Table(title="largest temporaries (XLA buffer assignment)")
     for col in ("size", "shape", "operation", "source"):
         table.add_column(col, overflow="fold")
-    for t in report["largest_temps"]:
+    for t in report.largest_temps:
         table.add_row(fmt_bytes(t["bytes"]), t["shape"], t["op"], t["source"])
     return table
 
@@ -380,14 +380,14 @@ class ProgressView:
                      on_target_loaded=host.keep_freed_blocks_on_cpu,
                      quiet_checkpoint_failures=True)
 
-    def on_gate(self, report: dict[str, Any]) -> None:
+    def on_gate(self, report: GateReport) -> None:
         if self.job.rank0:
             console.print(gate_table(report))
             if temps := temps_table(report):
                 console.print(temps)
         if self.wb:
-            self.wb.summary("gate", report)
-            self.wb.log(0, {"hbm/predicted_peak_gib": report["peak_bytes"] / GiB})
+            self.wb.summary("gate", report.to_json())
+            self.wb.log(0, {"hbm/predicted_peak_gib": report.peak_bytes / GiB})
 
     def on_progress(self, done: int, total: int, last: dict[str, float]) -> None:
         info = f"loss {last['loss/total']:.3g}" if "loss/total" in last else ""
@@ -413,7 +413,7 @@ def ended_by(job: Job, wb: WandbLogger | None, e: Exception) -> dict[str, Any]:
             wb.finish(exit_code=EXIT_GATE_REFUSED)
         if job.in_slurm:  # every rank exits 3; the launcher reports the job
             cluster.say(job.ranks, f"gate refused: exit {EXIT_GATE_REFUSED}")
-        return {**job.ended(EXIT_GATE_REFUSED, str(e)), "refused": True, "gate": e.report}
+        return {**job.ended(EXIT_GATE_REFUSED, str(e)), "refused": True, "gate": e.report.to_json()}
     if isinstance(e, WriteFailed):  # a full disk: the last complete checkpoint is intact
         again = (f"hydra.sweep.dir={job.sweep_dir}" if job.multirun
                  else f"hydra.run.dir={job.run_dir}")

@@ -219,3 +219,18 @@ LONGEST_FIRST = ("test_cli_lm.py", "test_slurm.py", "test_cli_journeys.py", "tes
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file
+
+
+# A report's required fields, each test setting the ones it reads.
+_REPORT = {"target": "t", "mesh": {"data": 1}, "n_devices": 1, **{f"{k}_bytes": 0 for k in (
+    "argument", "output", "temp", "alias", "host_temp", "host_argument", "peak", "xla_peak",
+    "cap", "headroom")}, "cap_source": "memory.hbm_cap_gib", "fits": True, "compile_s": 1.0,
+    "flops": None, "matmul_flops": None, "jax": "", "jaxlib": "", "xla_flags": "",
+    "argument_parts_bytes": {}, "largest_temps": [], "step": None}
+
+
+def gate_report(**fields):
+    """A GateReport of made-up figures, the test's own fields over zeros."""
+    from pdecomp.gate.report import GateReport
+
+    return GateReport(**{**_REPORT, **fields})

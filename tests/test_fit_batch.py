@@ -8,10 +8,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import gate_report as report_of
 from conftest import load_json, ok, pdecomp
 
-from pdecomp.gate.compiled import format_report
 from pdecomp.gate.fit import fit_batch, fit_mesh, fit_microbatches
+from pdecomp.gate.report import GateReport, rows
 
 MiB = 2**20
 
@@ -25,7 +26,7 @@ class Compiler:
     def __call__(self, batch: int):
         self.calls.append(batch)
         p = int(self.peak(batch))
-        return f"exe{batch}", {"peak_bytes": p, "cap_bytes": int(self.cap), "fits": p <= self.cap}
+        return f"exe{batch}", report_of(peak_bytes=p, cap_bytes=int(self.cap), fits=p <= self.cap)
 
     def largest(self, step: int, top: int) -> int | None:
         """The true answer, by brute force (a monotone peak)."""
@@ -37,12 +38,12 @@ def affine(state: float, per_example: float) -> Callable[[int], float]:
     return lambda b: state + per_example * b
 
 
-def check_answer(compiler: Compiler, chosen: int, report: dict, step: int, top: int) -> None:
+def check_answer(compiler: Compiler, chosen: int, report: GateReport, step: int, top: int) -> None:
     """The chosen batch fits, is a multiple of step, and the true largest is within 1/16."""
     truth = compiler.largest(step, top)
-    assert chosen % step == 0 and chosen <= top and report["fits"]
+    assert chosen % step == 0 and chosen <= top and report.fits
     assert chosen <= truth and truth - chosen <= max(step, chosen // 16), (chosen, truth)
-    fit = report["fit"]
+    fit = report.fit
     assert fit["chosen"] == chosen and fit["mode"] == "batch"
     assert [t["batch_size"] for t in fit["tried"]] == sorted(set(compiler.calls))
     assert len(compiler.calls) == len(set(compiler.calls))  # no batch compiled twice
@@ -54,28 +55,28 @@ def test_an_impossible_cap_costs_one_compile(cap):
     compiler = Compiler(affine(10 * MiB, 4096), cap)
     chosen, exe, report = fit_batch(compiler, 4096, 8, 1 << 20)
     assert compiler.calls == [8]
-    assert chosen == 8 and exe == "exe8" and not report["fits"]
-    assert report["fit"]["tried"] == [{"batch_size": 8, "peak_bytes": 10 * MiB + 8 * 4096,
+    assert chosen == 8 and exe == "exe8" and not report.fits
+    assert report.fit["tried"] == [{"batch_size": 8, "peak_bytes": 10 * MiB + 8 * 4096,
                                        "fits": False}]
-    assert "smallest batch, 8" in report["fit"]["why"]
+    assert "smallest batch, 8" in report.fit["why"]
 
 
 def test_a_cap_below_the_arguments_costs_no_compile():
     compiler = Compiler(affine(10 * MiB, 4096), 5 * MiB)
 
     def floor_at(batch):
-        return {"peak_bytes": 10 * MiB, "cap_bytes": 5 * MiB, "fits": False, "compiled": False,
-                "batch_size": batch}
+        return report_of(peak_bytes=10 * MiB, cap_bytes=5 * MiB, fits=False, compiled=False,
+                         batch_size=batch)
 
     chosen, exe, report = fit_batch(compiler, 4096, 8, 1 << 20, floor_at)
     assert compiler.calls == [] and exe is None
-    assert chosen == 8 and not report["fits"] and report["fit"]["tried"] == []
-    assert "nothing compiled" in report["fit"]["why"]
+    assert chosen == 8 and not report.fits and report.fit["tried"] == []
+    assert "nothing compiled" in report.fit["why"]
 
 
 def test_a_floor_under_the_cap_changes_nothing():
     compiler = Compiler(affine(MiB, 1000), 100 * MiB)
-    floor = {"peak_bytes": MiB, "cap_bytes": 100 * MiB, "fits": True}
+    floor = report_of(peak_bytes=MiB, cap_bytes=100 * MiB, fits=True)
     assert fit_batch(compiler, 64, 1, 1 << 20, lambda b: floor)[0] == \
         fit_batch(Compiler(affine(MiB, 1000), 100 * MiB), 64, 1, 1 << 20)[0]
 
@@ -105,8 +106,8 @@ def test_a_curved_peak_still_finds_the_largest_batch(peak, start):
     if compiler.largest(16, 1 << 20) is not None and all(
             peak(b) <= peak(b + 16) for b in range(16, 40_000, 16)):  # monotone: exact
         check_answer(compiler, chosen, report, 16, 1 << 20)
-    assert report["fits"] and chosen % 16 == 0
-    assert not any(t["fits"] for t in report["fit"]["tried"] if t["batch_size"] > chosen)
+    assert report.fits and chosen % 16 == 0
+    assert not any(t["fits"] for t in report.fit["tried"] if t["batch_size"] > chosen)
     # never worse than about twice the bisection's count
     assert len(compiler.calls) <= 2 * (math.ceil(math.log2(1 << 20)) + 4), compiler.calls
 
@@ -114,8 +115,8 @@ def test_a_curved_peak_still_finds_the_largest_batch(peak, start):
 def test_the_search_stops_at_the_max_batch():
     compiler = Compiler(affine(MiB, 100), 1 << 40)  # everything fits
     chosen, _, report = fit_batch(compiler, 256, 8, 5003)
-    assert chosen == 5000 and report["fits"]  # the largest multiple of 8 up to 5003
-    assert "gate.fit_max_batch=5003" in report["fit"]["why"]
+    assert chosen == 5000 and report.fits  # the largest multiple of 8 up to 5003
+    assert "gate.fit_max_batch=5003" in report.fit["why"]
     assert len(compiler.calls) <= 3, compiler.calls
     # a max batch below the smallest: the smallest alone is compiled
     compiler = Compiler(affine(MiB, 100), 1 << 40)
@@ -125,8 +126,8 @@ def test_the_search_stops_at_the_max_batch():
 def test_the_smallest_batch_alone_fits():
     compiler = Compiler(affine(MiB, MiB), 2.5 * MiB)  # batch 1: 2 MiB, batch 2: 3 MiB
     chosen, _, report = fit_batch(compiler, 64, 1, 1 << 20)
-    assert chosen == 1 and report["fits"] and len(compiler.calls) <= 3, compiler.calls
-    assert "batch 2 needs" in report["fit"]["why"]
+    assert chosen == 1 and report.fits and len(compiler.calls) <= 3, compiler.calls
+    assert "batch 2 needs" in report.fit["why"]
 
 
 def test_the_report_table_says_how_many_batches_were_compiled():
@@ -136,13 +137,8 @@ def test_the_report_table_says_how_many_batches_were_compiled():
     assert row["fit"].startswith("1 batches compiled: even the smallest batch, 8")
 
 
-def _fit_rows(report: dict) -> list[tuple[str, str]]:
-    return [r for r in format_report({**_REPORT, **report}) if r[0] == "fit"]
-
-
-_REPORT = {"target": "t", "mesh": {"data": 1}, **{f"{k}_bytes": 0 for k in (
-    "argument", "output", "temp", "alias", "host_temp", "host_argument", "xla_peak",
-    "headroom")}, "cap_source": "memory.hbm_cap_gib", "compile_s": 1.0}
+def _fit_rows(report: GateReport) -> list[tuple[str, str]]:
+    return [r for r in rows(report) if r[0] == "fit"]
 
 
 def test_cli_impossible_cap_refuses_without_a_search(tmp_path: Path, env: dict[str, str]) -> None:
@@ -174,8 +170,8 @@ def test_the_fewest_microbatches_that_fit_are_found_by_bisection(cap_mib):
     compiler = Compiler(per_microbatch(10 * MiB, MiB / 4, 64), cap_mib * MiB)
     chosen, exe, report = fit_microbatches(compiler, counts)
     truth = min(m for m in counts if compiler.peak(m) <= compiler.cap)
-    assert chosen == truth and exe == f"exe{truth}" and report["fits"]
-    fit = report["fit"]
+    assert chosen == truth and exe == f"exe{truth}" and report.fits
+    fit = report.fit
     assert fit["mode"] == "microbatches" and fit["chosen"] == truth
     assert [t["microbatches"] for t in fit["tried"]] == sorted(set(compiler.calls))
     assert len(compiler.calls) == len(set(compiler.calls))  # no count compiled twice
@@ -187,8 +183,8 @@ def test_the_fewest_microbatches_that_fit_are_found_by_bisection(cap_mib):
 def test_no_microbatch_count_fits_costs_one_compile():
     compiler = Compiler(per_microbatch(10 * MiB, MiB, 64), 5 * MiB)
     chosen, _, report = fit_microbatches(compiler, [1, 2, 4, 8, 16, 32, 64])
-    assert chosen == 64 and not report["fits"] and compiler.calls == [64]
-    assert report["fit"]["why"].startswith("even 64 microbatches")
+    assert chosen == 64 and not report.fits and compiler.calls == [64]
+    assert report.fit["why"].startswith("even 64 microbatches")
 
 
 @pytest.mark.slow  # four compiles of batch 256 (most of three minutes); fit_microbatches'
@@ -219,10 +215,11 @@ def test_cli_fit_microbatches_takes_the_fewest_under_the_cap(tmp_path: Path,
     assert f"gate.fit=microbatches: optim.microbatches={fit['chosen']}" in proc.stderr
 
 
-def mesh_report(model: int, peak_mib: float, seconds: float, cap_mib: float = 100) -> dict:
-    return {"peak_bytes": int(peak_mib * MiB), "cap_bytes": int(cap_mib * MiB),
-            "fits": peak_mib <= cap_mib, "mesh": {"data": 8 // model, "model": model},
-            "step": {"time": {"roofline_s": seconds, "bound": "network"}}}
+def mesh_report(model: int, peak_mib: float, seconds: float, cap_mib: float = 100
+                ) -> GateReport:
+    return report_of(peak_bytes=int(peak_mib * MiB), cap_bytes=int(cap_mib * MiB),
+                     fits=peak_mib <= cap_mib, mesh={"data": 8 // model, "model": model},
+                     step={"time": {"roofline_s": seconds, "bound": "network"}})
 
 
 @pytest.mark.parametrize(("peaks", "chosen"), [
@@ -240,12 +237,12 @@ def test_the_mesh_that_fits_in_the_least_predicted_time_is_chosen(peaks, chosen)
 
     got, exe, report = fit_mesh(compile_at, [8, 4, 2, 1])
     assert (got, exe) == (chosen, f"exe{chosen}") and sorted(calls) == [1, 2, 4, 8]
-    fit = report["fit"]
+    fit = report.fit
     assert fit["mode"] == "mesh" and fit["chosen"] == chosen
-    assert report["fits"] == (peaks[chosen] <= 100)
+    assert report.fits == (peaks[chosen] <= 100)
     assert [(t["model"], t["step_s"], t["fits"]) for t in fit["tried"]] == [
         (m, seconds[m], peaks[m] <= 100) for m in (1, 2, 4, 8)]
-    assert ("none of 4 splits fits" in fit["why"]) != report["fits"]
+    assert ("none of 4 splits fits" in fit["why"]) != report.fits
 
 
 def test_cli_fit_mesh_takes_the_fastest_split_that_fits(tmp_path: Path,

@@ -55,7 +55,7 @@ def test_over_cap_run_is_refused_before_any_state_exists(tmp_path):
     cfg = _cfg(tmp_path, hbm_cap_gib=1e-6)
     with pytest.raises(GateRefused) as e:
         decompose(cfg, tmp_path / "run")
-    assert not e.value.report["fits"]
+    assert not e.value.report.fits
     assert json.loads((tmp_path / "run" / "gate.json").read_text())["fits"] is False
     assert not (tmp_path / "run" / "checkpoints").exists()
     # no train state was made: no array with the shape of V [5, 20] or U [20, 2] exists
@@ -234,8 +234,8 @@ def test_fit_batch_refuses_a_cap_between_the_arguments_and_the_peak_in_one_compi
                          gate=dc.replace(cfg.gate, only=True, fit="batch", top_temps=0))
     with pytest.raises(GateRefused, match="even the smallest batch, 1") as e:
         decompose(fit_cfg, tmp_path / "fit")
-    assert [t["batch_size"] for t in e.value.report["fit"]["tried"]] == [1]
-    assert e.value.report["peak_bytes"] == one["peak_bytes"]
+    assert [t["batch_size"] for t in e.value.report.fit["tried"]] == [1]
+    assert e.value.report.peak_bytes == one["peak_bytes"]
 
 
 @pytest.mark.jax_versions  # XLA's buffer assignment, dump and figures

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import gate_report
 from test_lm import tiny_cfg, tokens
 
 from pdecomp.core.config import ConfigError, OptGroupConfig, RunConfig
@@ -167,14 +168,15 @@ def test_microbatch_size_refusals_name_the_key(overrides, key):
 def test_a_refusal_names_what_would_hold_less():
     from pdecomp.run.decompose import GateRefused
 
-    report = {"peak_bytes": 200 * 2**30, "cap_bytes": 160 * 2**30, "fits": False}
+    def refused(**fields) -> str:
+        return str(GateRefused(gate_report(peak_bytes=200 * 2**30, cap_bytes=160 * 2**30,
+                                           fits=False, **fields)))
+
     hint = "up to 32 microbatches would hold fewer activations"
-    assert hint in str(GateRefused({**report, "microbatches": 16, "max_microbatches": 32}))
-    assert "microbatches" not in str(GateRefused({**report, "microbatches": 32,
-                                                  "max_microbatches": 32}))
+    assert hint in refused(microbatches=16, max_microbatches=32)
+    assert "microbatches" not in refused(microbatches=32, max_microbatches=32)
     saves = "memory.site_layer_saves={} would keep fewer"
-    assert saves.format("sites or nothing") in str(GateRefused(
-        {**report, "site_layer_saves": "linears"}))
-    assert saves.format("nothing") in str(GateRefused({**report, "site_layer_saves": "sites"}))
+    assert saves.format("sites or nothing") in refused(site_layer_saves="linears")
+    assert saves.format("nothing") in refused(site_layer_saves="sites")
     for last in ("nothing", None):  # nothing lighter, or the layers not rematerialized
-        assert "site_layer_saves" not in str(GateRefused({**report, "site_layer_saves": last}))
+        assert "site_layer_saves" not in refused(site_layer_saves=last)

@@ -7,11 +7,11 @@ import dataclasses as dc
 from pathlib import Path
 
 import pytest
-from conftest import load_json, ok, pdecomp
+from conftest import gate_report, load_json, ok, pdecomp
 
 from pdecomp.core import hardware
 from pdecomp.core.config import ConfigError, RunConfig
-from pdecomp.gate.compiled import format_report
+from pdecomp.gate.report import rows as report_rows
 from pdecomp.gate.step import gate_cap
 from pdecomp.plan.resolve import resolve
 
@@ -75,11 +75,7 @@ def test_a_users_fraction_changes_the_deviceless_cap_and_the_report_says_so(
     cap, source, record = gate_cap(resolve(deviceless("h100")), mesh=None)
     assert cap == int(hardware.GPUS["h100"].memory_bytes * 0.75)
     assert record["fraction"] == 0.75 and record["job_exports"] == {}
-    report = {"target": "t", "mesh": {"data": 1}, "cap_bytes": cap, "cap_source": source,
-              "compile_s": 1.0, "fits": True, "memory_env": record,
-              **{f"{k}_bytes": 0 for k in ("argument", "output", "temp", "alias", "host_temp",
-                                           "host_argument", "peak", "xla_peak", "headroom")}}
-    rows = dict(format_report(report))
+    rows = dict(report_rows(gate_report(cap_bytes=cap, cap_source=source, memory_env=record)))
     assert "x 0.75" in rows["cap"] and "from XLA_PYTHON_CLIENT_MEM_FRACTION" in rows["cap"]
 
 

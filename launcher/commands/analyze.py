@@ -133,10 +133,10 @@ def gated_run(args: Any, log: Callable[[str], None]
                                                     not args.no_cofire, not args.no_ablation),
                                 args.batch_size or plan.data.batch_size, args.hbm_cap_gib,
                                 args.target if deviceless else None)
-    if not report["fits"]:
+    if not report.fits:
         raise GateRefused(report)
-    log(f"analysis gate: {fmt_bytes(report['peak_bytes'])} per device of "
-        f"{fmt_bytes(report['cap_bytes'])} on {report['n_devices']} device(s)")
+    log(f"analysis gate: {fmt_bytes(report.peak_bytes)} per device of "
+        f"{fmt_bytes(report.cap_bytes)} on {report.n_devices} device(s)")
     if deviceless:
         return None, report
     return load_run(run_dir, log=log, mesh=mesh, whole_state=False), report
@@ -157,11 +157,11 @@ def main(argv: Sequence[str],
         return EXIT_BAD_CONFIG
     except GateRefused as e:
         if args.target != "local":
-            print(json.dumps(e.report, default=str))
+            print(json.dumps(e.report.to_json(), default=str))
         print(analysis_gate.refusal(e.report), file=sys.stderr)
         return EXIT_GATE_REFUSED
     if run is None:  # deviceless: the gate is the answer
-        print(json.dumps(report, default=str))
+        print(json.dumps(report.to_json(), default=str))
         return 0
     lm = reads_tokens(run.run)
     windows = args.windows or math.ceil(args.tokens / run.config.data.seq_len)
@@ -173,7 +173,7 @@ def main(argv: Sequence[str],
                     args.save_every)
     finally:
         stop()
-    index = write_report(a, run.run_dir, report)
+    index = write_report(a, run.run_dir, report.to_json())
     analysis_state.clear(run.run_dir)  # the report holds it all now
     if on_report:
         on_report(run, index)

@@ -21,6 +21,7 @@ from pdecomp.core import hardware
 from pdecomp.core.sharding import AXIS, MODEL
 from pdecomp.core.units import fmt_bytes
 from pdecomp.gate import compiled as gate_lib
+from pdecomp.gate.report import GateReport
 from pdecomp.plan.resolve import Run
 from pdecomp.run.load import placed_abstract
 from pdecomp.spd.components import with_tied
@@ -59,7 +60,7 @@ def cofire_rows(mesh: Mesh, n: int) -> NamedSharding:
 
 
 def gate(run: Run, mesh: Mesh, o: harvest.Options, batch_size: int,
-         cap_gib: float | None, target: str | None = None) -> dict[str, Any]:
+         cap_gib: float | None, target: str | None = None) -> GateReport:
     """The analysis step's gate report on `mesh` (fits: its peak is under the cap);
     `target`: the GPU kind of a deviceless mesh."""
     target_abs, state_abs = placed_abstract(run, mesh)
@@ -83,13 +84,14 @@ def gate(run: Run, mesh: Mesh, o: harvest.Options, batch_size: int,
         target=f"analysis on {mesh.size} {where} device(s)", mesh=dict(mesh.shape),
         hosts=len({d.process_index for d in mesh.devices.flat}),
         gpu=hardware.spec_of(target or "local", mesh.devices.flat[0].device_kind))
-    return {**report, "batch_size": batch_size}
+    report.batch_size = batch_size
+    return report
 
 
-def refusal(report: dict[str, Any]) -> str:
+def refusal(report: GateReport) -> str:
     """The one line a refused analysis ends with."""
-    return (f"analysis refused: predicted peak {fmt_bytes(report['peak_bytes'])} > cap "
-            f"{fmt_bytes(report['cap_bytes'])} per device ({report['cap_source']}) on "
-            f"{report['n_devices']} device(s); more devices (--devices) split the components "
+    return (f"analysis refused: predicted peak {fmt_bytes(report.peak_bytes)} > cap "
+            f"{fmt_bytes(report.cap_bytes)} per device ({report.cap_source}) on "
+            f"{report.n_devices} device(s); more devices (--devices) split the components "
             "along C; a smaller --batch-size, --no-ablation or --no-cofire shrink the step's "
             "temporaries")

@@ -22,6 +22,7 @@ import jaxlib
 from pdecomp.core import hardware
 from pdecomp.core.units import GiB, fmt_bytes
 from pdecomp.gate import step_cost
+from pdecomp.gate.report import GateReport
 from pdecomp.gate.xla_dump import (
     compile_detached,
     largest_temps,
@@ -77,7 +78,7 @@ def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, 
                        out_shardings: Any = None, cap_bytes: int, cap_source: str, target: str,
                        mesh: dict[str, int], parts: dict[str, int] | None = None,
                        top_temps: int = 0, detach: bool = False, hosts: int = 1,
-                       gpu: hardware.GpuSpec | None = None) -> tuple[Any, dict[str, Any]]:
+                       gpu: hardware.GpuSpec | None = None) -> tuple[Any, GateReport]:
     """Lower and compile `fn` on abstract `args`; return the executable and the gate report.
 
     `out_shardings` pins the state's layout to its input layout, so the executable can be fed
@@ -117,21 +118,17 @@ def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, 
     sizes = sizes or analysis_sizes(compiled)
     arg, out, temp, alias = (sizes[k] for k in ("argument", "output", "temp", "alias"))
     peak = temp + arg + out - alias
-    report = {
-        "target": target, "mesh": mesh, "n_devices": math.prod(mesh.values()),
-        "argument_bytes": arg, "output_bytes": out, "temp_bytes": temp, "alias_bytes": alias,
-        "host_temp_bytes": sizes["host_temp"], "host_argument_bytes": sizes["host_argument"],
-        "peak_bytes": peak,
-        "xla_peak_bytes": sizes["xla_peak"],
-        "cap_bytes": cap_bytes, "cap_source": cap_source, "headroom_bytes": cap_bytes - peak,
-        "fits": peak <= cap_bytes, "compile_s": round(compile_s, 3), "flops": flops, "matmul_flops": mm_flops,
+    report = GateReport(
+        target=target, mesh=mesh, n_devices=math.prod(mesh.values()), argument_bytes=arg,
+        output_bytes=out, temp_bytes=temp, alias_bytes=alias,
+        host_temp_bytes=sizes["host_temp"], host_argument_bytes=sizes["host_argument"],
+        peak_bytes=peak, xla_peak_bytes=sizes["xla_peak"], cap_bytes=cap_bytes,
+        cap_source=cap_source, headroom_bytes=cap_bytes - peak, fits=peak <= cap_bytes,
+        compile_s=round(compile_s, 3), flops=flops, matmul_flops=mm_flops,
         # the figures are XLA's of this jaxlib: another version assigns buffers differently
-        "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "argument_parts_bytes": parts or {},
-        "largest_temps": temps,
-        "step": step_report(text, math.prod(mesh.values()), hosts, gpu),
-    }
+        jax=jax.__version__, jaxlib=jaxlib.__version__,
+        xla_flags=os.environ.get("XLA_FLAGS", ""), argument_parts_bytes=parts or {},
+        largest_temps=temps, step=step_report(text, math.prod(mesh.values()), hosts, gpu))
     return compiled, report
 
 
@@ -146,24 +143,21 @@ def step_report(text: str | None, n_devices: int, hosts: int,
 
 
 def uncompiled_report(*, argument_bytes: int, cap_bytes: int, cap_source: str, target: str,
-                      mesh: dict[str, int], parts: dict[str, int]) -> dict[str, Any]:
+                      mesh: dict[str, int], parts: dict[str, int]) -> GateReport:
     """The report of a step not compiled: its arguments counted from their shapes, a lower
     bound of any compiled peak (peak = temp + argument + output − alias, and alias ≤
     output). Temp and output are unknown, 0 here; `compiled` is False, and the table says
     so. A cap that this bound exceeds is refused without the compile's cost."""
-    report = {
-        "target": target, "mesh": mesh, "n_devices": math.prod(mesh.values()),
-        "argument_bytes": argument_bytes, "output_bytes": 0, "temp_bytes": 0, "alias_bytes": 0,
-        "host_temp_bytes": 0, "host_argument_bytes": 0, "peak_bytes": argument_bytes,
-        "xla_peak_bytes": None, "cap_bytes": cap_bytes, "cap_source": cap_source,
-        "headroom_bytes": cap_bytes - argument_bytes, "fits": argument_bytes <= cap_bytes,
-        "compile_s": 0.0, "flops": None, "matmul_flops": None,
-        "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "argument_parts_bytes": parts, "largest_temps": [], "compiled": False, "step": None,
-        "note": "not compiled: the peak is the arguments alone, a lower bound",
-    }
-    return report
+    return GateReport(
+        target=target, mesh=mesh, n_devices=math.prod(mesh.values()),
+        argument_bytes=argument_bytes, output_bytes=0, temp_bytes=0, alias_bytes=0,
+        host_temp_bytes=0, host_argument_bytes=0, peak_bytes=argument_bytes,
+        xla_peak_bytes=None, cap_bytes=cap_bytes, cap_source=cap_source,
+        headroom_bytes=cap_bytes - argument_bytes, fits=argument_bytes <= cap_bytes,
+        compile_s=0.0, flops=None, matmul_flops=None, jax=jax.__version__,
+        jaxlib=jaxlib.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""),
+        argument_parts_bytes=parts, largest_temps=[], step=None, compiled=False,
+        note="not compiled: the peak is the arguments alone, a lower bound")
 
 
 def program_flops(lowered: Any) -> float | None:
@@ -238,71 +232,3 @@ def tree_bytes(tree: Any) -> int:
             shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
             total += math.prod(shape) * jax.numpy.dtype(x.dtype).itemsize
     return total
-
-
-def format_report(report: dict[str, Any]) -> list[tuple[str, str]]:
-    """Rows (label, value) for a table; values in MiB/GiB as fits the size."""
-    rows = [("target", str(report["target"])),
-            ("mesh", " x ".join(f"{k}={v}" for k, v in report["mesh"].items()))]
-    if "batch_size" in report:
-        rows.append(("batch", str(report["batch_size"])))
-    compiled = report.get("compiled", True)
-    for k in ("argument", "output", "temp", "alias", "host_temp", "host_argument", "peak",
-              "xla_peak"):
-        v = report[f"{k}_bytes"]
-        if not compiled and k not in ("argument", "peak"):
-            value = "n/a (not compiled)"
-        elif v is None:
-            value = "n/a (read at buffer assignment)"
-        else:
-            value = fmt_bytes(v) if compiled or k != "peak" else f"at least {fmt_bytes(v)}"
-        rows.append((k + (" (temp+arg+out-alias)" if k == "peak" else ""), value))
-    for k, v in report.get("argument_parts_bytes", {}).items():
-        rows.append((f"  argument: {k}", fmt_bytes(v)))
-    for name, p in report.get("programs", {}).items():
-        if name != "step":
-            over = "" if p["fits"] else ", over the cap"
-            rows.append((f"peak in {name}", f"{fmt_bytes(p['peak_bytes'])} (state resident{over})"))
-    rows += [("cap", f"{fmt_bytes(report['cap_bytes'])} ({report['cap_source']})"),
-             *([("allocator", report["memory_env"]["note"])]
-               if report.get("memory_env", {}).get("note") else []),
-             ("headroom", fmt_bytes(report["headroom_bytes"])),
-             ("fits", "yes" if report["fits"] else "NO"),
-             ("compile", f"{report['compile_s']:.2f} s")]
-    if report.get("jaxlib"):
-        rows.append(("compiled by", f"jax {report['jax']}, jaxlib {report['jaxlib']}"))
-    if report.get("xla_flags"):
-        rows.append(("XLA_FLAGS", report["xla_flags"]))
-    if report.get("note"):
-        rows.append(("note", report["note"]))
-    if report.get("matmul_flops"):
-        rows.append(("matmul FLOPs / step", f"{report['matmul_flops']:.3e} (whole mesh)"))
-    if report.get("flops"):
-        rows.append(("XLA FLOPs", f"{report['flops']:.3e} (loop bodies once)"))
-    rows += step_rows(report.get("step"))
-    if "fit" in report:
-        fit = report["fit"]
-        what = {"batch": "batches", "microbatches": "microbatch counts",
-                "mesh": "meshes"}[fit["mode"]]
-        rows.append(("fit", f"{len(fit['tried'])} {what} compiled: {fit['why']}"))
-    if "measured_peak_bytes" in report:
-        rows.append(("measured peak", fmt_bytes(report["measured_peak_bytes"])))
-        rows.append(("predicted / measured", f"{report['predicted_over_measured']:.3f}"))
-    return rows
-
-
-def step_rows(step: dict[str, Any] | None) -> list[tuple[str, str]]:
-    """The step's cost per device, and its predicted time where the rates are known."""
-    if not step:
-        return []
-    rows = [("step per device", (f"{step['flops']:.3e} FLOPs, {fmt_bytes(step['hbm_bytes'])} "
-                                "HBM read+written"))]
-    for kind, c in step["collectives"].items():
-        rows.append((f"  {kind}", (f"{c['count']} x, {fmt_bytes(c['bytes'])} sent"
-                                  f" ({fmt_bytes(c['network_bytes'])} across hosts)")))
-    if t := step.get("time"):
-        rows.append(("predicted step (a floor)", (
-            f"{t['roofline_s']:.3g} s, {t['bound']}-bound (compute {t['compute_s']:.3g} s, "
-            f"HBM {t['hbm_s']:.3g} s, network {t['network_s']:.3g} s; "
-            f"no overlap {t['serial_s']:.3g} s)")))
-    return rows

@@ -6,6 +6,7 @@ model split with the least predicted step time; each search returns the `Run` it
 
 from __future__ import annotations
 
+import dataclasses as dc
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +23,8 @@ from pdecomp.core.memory import SITE_LAYER_SAVES
 from pdecomp.core.units import fmt_bytes
 from pdecomp.gate import compiled as gate_lib
 from pdecomp.gate import fit
+from pdecomp.gate.report import GateReport
 from pdecomp.gate.shapes import OPT_PART_HOST, abstract_run, argument_parts
-from pdecomp.plan.files import write_json
 from pdecomp.plan.resolve import Run
 from pdecomp.spd import metrics
 from pdecomp.spd.components import with_tied
@@ -31,32 +32,31 @@ from pdecomp.spd.step import TrainState, make_train_step
 
 
 class GateRefused(RuntimeError):
-    def __init__(self, report: dict[str, Any]):
+    def __init__(self, report: GateReport):
         self.report = report
         super().__init__(f"gate refused: {refusal(report)}")
 
 
-def refusal(report: dict[str, Any]) -> str:
+def refusal(report: GateReport) -> str:
     """Why the gate refused, with what would fit where the report knows it."""
+    r = report
     what = {"batch": "no batch", "microbatches": "no microbatch count", "mesh": "no mesh"}
-    if "fit" in report:
-        mode = report["fit"]["mode"]
-        return f"{what[mode]} fits (gate.fit={mode}): {report['fit']['why']}"
-    if over := [n for n, p in report.get("programs", {}).items()
-                if not p["fits"] and n != "step" and report["peak_bytes"] <= report["cap_bytes"]]:
-        p = report["programs"][over[0]]
+    if r.fit is not None:
+        return f"{what[r.fit['mode']]} fits (gate.fit={r.fit['mode']}): {r.fit['why']}"
+    if over := [n for n, p in (r.programs or {}).items()
+                if not p["fits"] and n != "step" and r.peak_bytes <= r.cap_bytes]:
+        p = r.programs[over[0]]
         return (f"the evaluation's {over[0]} program: predicted peak "
-                f"{fmt_bytes(p['peak_bytes'])} > cap {fmt_bytes(report['cap_bytes'])} per "
+                f"{fmt_bytes(p['peak_bytes'])} > cap {fmt_bytes(r.cap_bytes)} per "
                 "device beside the training state (more optim.microbatches make each "
                 "held-out batch smaller)")
-    why = (f"predicted peak {fmt_bytes(report['peak_bytes'])} > cap "
-           f"{fmt_bytes(report['cap_bytes'])} per device")
-    most = report.get("max_microbatches", 0)
-    if report.get("microbatches", most) < most:
+    why = f"predicted peak {fmt_bytes(r.peak_bytes)} > cap {fmt_bytes(r.cap_bytes)} per device"
+    most = r.max_microbatches or 0
+    if (r.microbatches if r.microbatches is not None else most) < most:
         why += (f"; up to {most} microbatches would hold fewer activations "
                 "(gate.fit=microbatches finds the fewest that fit)")
     saves = list(SITE_LAYER_SAVES)  # most kept first
-    kept = report.get("site_layer_saves")
+    kept = r.site_layer_saves
     if lighter := " or ".join(saves[saves.index(kept) + 1:]) if kept in saves else "":
         why += (f"; memory.site_layer_saves={lighter} would keep fewer of the site layers' "
                 "activations, at more FLOPs")
@@ -75,7 +75,7 @@ class Gated:
     target_abs: Any
     state_abs: TrainState
     compiled: Any
-    report: dict[str, Any]
+    report: GateReport
     init_key: Array
     data_key: Array
 
@@ -88,7 +88,7 @@ class Compiler:
     target_abs: Any
     state_abs: TrainState
     where: dict[str, Any]  # the cap, its source, the target and mesh
-    extra: dict[str, Any]  # the usable-memory record, on a GPU
+    memory_env: dict[str, Any] | None  # the usable-memory record, on a GPU
     detach: bool
 
     @property
@@ -99,7 +99,7 @@ class Compiler:
         return run.kind.batch_abstract(run.model, run.data, run.batch.size,
                                        self.batch_sharding)
 
-    def floor(self, run: Run) -> dict[str, Any]:
+    def floor(self, run: Run) -> GateReport:
         """The report from argument bytes alone (a batch too large to compile)."""
         parts = argument_parts(run, self.target_abs, self.state_abs, self.batch(run))
         # moments offloaded to the host are not device bytes on a GPU: left out of the bound
@@ -107,9 +107,9 @@ class Compiler:
         framing = {k: self.where[k] for k in ("cap_bytes", "cap_source", "target", "mesh")}
         report = gate_lib.uncompiled_report(argument_bytes=device_bytes, parts=parts,
                                             **framing)
-        return {**report, "batch_size": run.batch.size, **self.extra}
+        return dc.replace(report, batch_size=run.batch.size, memory_env=self.memory_env)
 
-    def compile(self, run: Run) -> tuple[Any, dict[str, Any]]:
+    def compile(self, run: Run) -> tuple[Any, GateReport]:
         batch = self.batch(run)
         compiled, report = gate_lib.compile_and_report(
             make_train_step(run.step, self.layout), (self.state_abs, self.target_abs, batch),
@@ -118,10 +118,10 @@ class Compiler:
                            NamedSharding(self.layout.mesh, P())),
             parts=argument_parts(run, self.target_abs, self.state_abs, batch), top_temps=run.gate.top_temps, detach=self.detach,
             **self.where)
-        report.update(batch_size=run.batch.size, **self.extra)
+        report.batch_size, report.memory_env = run.batch.size, self.memory_env
         if run.memory.offload_opt_state and run.placement.deviceless:
             # Compile-only devices have no host memory space: jax drops the memory kind.
-            report["note"] = ("memory.offload_opt_state: a deviceless compile has no host "
+            report.note = ("memory.offload_opt_state: a deviceless compile has no host "
                               "memory, so the optimizer moments count as device arguments "
                               "here (an upper bound; on the GPUs they are host arguments)")
         return compiled, report
@@ -144,18 +144,18 @@ def gate(run: Run, run_dir: Path, detach: bool, log: Callable[[str], None]) -> G
     mesh = compiler.layout.mesh
     # the most microbatches: one example per data-axis device in each, and what the
     # rematerialized site layers keep (a refusal's hints)
-    report.update(microbatches=run.batch.microbatches,
-                  max_microbatches=run.batch.size // mesh.shape[sharding.AXIS],
-                  site_layer_saves=run.memory.site_layer_saves if run.memory.remat_layers
-                  else None)
+    report.microbatches = run.batch.microbatches
+    report.max_microbatches = run.batch.size // mesh.shape[sharding.AXIS]
+    report.site_layer_saves = (run.memory.site_layer_saves if run.memory.remat_layers
+                               else None)
     if run.logging.eval_every or run.logging.slow_eval_every:
         gate_evaluation(run, compiler, report)
-    write_json(run_dir / "gate.json", report)
+    report.write(run_dir)
     return Gated(run, mesh, compiler.batch_sharding, compiler.target_abs, compiler.state_abs,
                  compiled, report, init_key, data_key)
 
 
-def gate_evaluation(run: Run, compiler: Compiler, report: dict[str, Any]) -> None:
+def gate_evaluation(run: Run, compiler: Compiler, report: GateReport) -> None:
     """The in-loop evaluation's programs (the final evaluation's too) compiled on the
     state's shapes at the microbatch they run at. Each one's peak: its own, less the target,
     components and CI function it shares with the state, plus what stays resident between
@@ -165,20 +165,20 @@ def gate_evaluation(run: Run, compiler: Compiler, report: dict[str, Any]) -> Non
     x = run.kind.batch_abstract(run.model, run.data, run.batch.microbatch,
                                 compiler.batch_sharding)
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, P()))
-    parts = report["argument_parts_bytes"]
+    parts = report.argument_parts_bytes
     resident = sum(v for k, v in parts.items() if k not in ("batch", OPT_PART_HOST))
     shared = gate_lib.tree_bytes((compiler.target_abs, s.components, s.ci_fn))
-    programs = {"step": {"peak_bytes": report["peak_bytes"], "fits": report["fits"]}}
+    programs = {"step": {"peak_bytes": report.peak_bytes, "fits": report.fits}}
     for name, fn in evaluation_programs(run, s.components, NamedSharding(mesh, P())).items():
         _, r = gate_lib.compile_and_report(
             fn, (compiler.target_abs, s.components, s.ci_fn, x, key),
             **{k: compiler.where[k] for k in ("cap_bytes", "cap_source", "target", "mesh")})
-        peak = resident + r["peak_bytes"] - shared
-        programs[name] = {"peak_bytes": peak, "program_peak_bytes": r["peak_bytes"],
-                          "temp_bytes": r["temp_bytes"], "compile_s": r["compile_s"],
-                          "fits": peak <= report["cap_bytes"]}
-    report["programs"] = programs
-    report["fits"] = all(p["fits"] for p in programs.values())
+        peak = resident + r.peak_bytes - shared
+        programs[name] = {"peak_bytes": peak, "program_peak_bytes": r.peak_bytes,
+                          "temp_bytes": r.temp_bytes, "compile_s": r.compile_s,
+                          "fits": peak <= report.cap_bytes}
+    report.programs = programs
+    report.fits = all(p["fits"] for p in programs.values())
 
 
 def evaluation_programs(run: Run, components_abs: Any, replicated: NamedSharding
@@ -209,15 +209,15 @@ def prepare(run: Run, init_key: Array, detach: bool) -> Compiler:
              "mesh": dict(mesh.shape), "hosts": len({d.process_index for d in mesh.devices.flat}),
              "gpu": hardware.spec_of(run.placement.target, mesh.devices.flat[0].device_kind)}
     return Compiler(layout, target_abs, state_abs, where,
-                    {"memory_env": memory_env} if memory_env else {}, detach)
+                    memory_env, detach)
 
 
 def search_mesh(run: Run, init_key: Array, log: Callable[[str], None]
-                ) -> tuple[Run, Compiler, Any, dict[str, Any]]:
+                ) -> tuple[Run, Compiler, Any, GateReport]:
     """gate.fit=mesh: every split of the planned GPUs into data x model (the model axis
     within a host) compiled, the one that fits in the least predicted step time chosen."""
 
-    def compile_at(model: int) -> tuple[Any, dict[str, Any]]:
+    def compile_at(model: int) -> tuple[Any, GateReport]:
         candidate = run.with_mesh(model)
         compiler = prepare(candidate, init_key, detach=False)
         compiled, report = compiler.compile(candidate)
@@ -225,14 +225,14 @@ def search_mesh(run: Run, init_key: Array, log: Callable[[str], None]
 
     model, (run, compiler, compiled), report = fit.fit_mesh(
         compile_at, sharding.mesh_candidates(run.placement.mesh, run.batch.microbatch))
-    if report["fits"]:
-        log(f"gate.fit=mesh: mesh.model={model} (data {report['mesh'][sharding.AXIS]}): "
-            f"{report['fit']['why']}")
+    if report.fits:
+        log(f"gate.fit=mesh: mesh.model={model} (data {report.mesh[sharding.AXIS]}): "
+            f"{report.fit['why']}")
     return run, compiler, compiled, report
 
 
 def search(run: Run, compiler: Compiler, log: Callable[[str], None]
-           ) -> tuple[Run, Any, dict[str, Any]]:
+           ) -> tuple[Run, Any, GateReport]:
     """gate.fit's search, or the run's own step: the run compiled, its executable, its report."""
     if run.gate.fit == "batch":
         size, compiled, report = fit.fit_batch(
@@ -240,16 +240,16 @@ def search(run: Run, compiler: Compiler, log: Callable[[str], None]
             compiler.layout.mesh.size * run.batch.microbatches, run.gate.fit_max_batch,
             lambda b: compiler.floor(run.with_batch(b)))
         run = run.with_batch(size)
-        if report["fits"]:  # a refusal says why in its own line
-            log(f"gate.fit=batch: data.batch_size={size}: {report['fit']['why']}")
+        if report.fits:  # a refusal says why in its own line
+            log(f"gate.fit=batch: data.batch_size={size}: {report.fit['why']}")
         return run, compiled, report
     if run.gate.fit == "microbatches":
         m, compiled, report = fit.fit_microbatches(
             lambda m: compiler.compile(run.with_microbatches(m)),
             sharding.microbatch_counts(run.batch.size, compiler.layout.mesh.shape[sharding.AXIS]))
         run = run.with_microbatches(m)
-        if report["fits"]:
-            log(f"gate.fit=microbatches: optim.microbatches={m}: {report['fit']['why']}")
+        if report.fits:
+            log(f"gate.fit=microbatches: optim.microbatches={m}: {report.fit['why']}")
         return run, compiled, report
     return run, *compiler.compile(run)
 
@@ -295,13 +295,13 @@ def measured_memory(mesh: Mesh) -> tuple[int, int] | None:
     return (max(s["peak_bytes_in_use"] for s in stats), max(s["bytes_in_use"] for s in stats))
 
 
-def calibrate(report: dict[str, Any], mesh: Mesh) -> bool:
+def calibrate(report: GateReport, mesh: Mesh) -> bool:
     """Put the measured peak beside the prediction; False where none is reported."""
     measured = measured_memory(mesh)
     if measured is None:
         return False
-    report["measured_peak_bytes"] = int(measured[0])
-    report["predicted_over_measured"] = report["peak_bytes"] / measured[0]
+    report.measured_peak_bytes = int(measured[0])
+    report.predicted_over_measured = report.peak_bytes / measured[0]
     return True
 
 
@@ -309,4 +309,4 @@ def note_peak(g: Gated, phase: str) -> None:
     """The measured peak so far (it only grows) at the end of `phase`, in the gate's report:
     which phase set the run's peak, against the step the gate predicted."""
     if (measured := measured_memory(g.mesh)) is not None:
-        g.report.setdefault("measured_peak_by_phase_bytes", {})[phase] = int(measured[0])
+        g.report.measured_peak_by_phase_bytes[phase] = int(measured[0])

@@ -66,10 +66,10 @@ def decompose(run: Run | RunConfig, run_dir: str | Path, hooks: Hooks | None = N
     write_json(run_dir / RUN_FILE, g.run.record())  # the batch the gate's search chose
     if hooks.on_gate:
         hooks.on_gate(g.report)
-    if not g.report["fits"]:
+    if not g.report.fits:
         raise GateRefused(g.report)
     if g.run.gate.only:
-        return {"gate": g.report}
+        return {"gate": g.report.to_json()}
     target, target_meta = load_target(g.run, g.target_abs, hooks.log)
     note_peak(g, "target loaded")
     if hooks.on_target_loaded:
@@ -96,8 +96,8 @@ def decompose(run: Run | RunConfig, run_dir: str | Path, hooks: Hooks | None = N
     summary.update({"steps": steps, "target/seed": target_meta.get("seed"),
                     "pdecomp/version": made_by["pdecomp"], "pdecomp/commit": made_by["commit"]})
     if calibrate(g.report, g.mesh):  # the whole run's peak, evaluation included
-        write_json(run_dir / "gate.json", g.report)
-        summary["hbm/predicted_over_measured"] = g.report["predicted_over_measured"]
+        g.report.write(run_dir)
+        summary["hbm/predicted_over_measured"] = g.report.predicted_over_measured
     write_json(run_dir / "summary.json", summary)
     write_json(run_dir / "history.json", history)
     return summary

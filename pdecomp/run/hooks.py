@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+
+from pdecomp.gate.report import GateReport
 
 
 @dataclass
@@ -14,7 +15,7 @@ class Hooks:
 
     log: Callable[[str], None] = print
     on_metrics: Callable[[int, dict[str, float]], None] | None = None
-    on_gate: Callable[[dict[str, Any]], None] | None = None
+    on_gate: Callable[[GateReport], None] | None = None  # pdecomp.gate.report
     progress: Callable[[int, int, dict[str, float]], None] | None = None
     # Asked every `logging.stop_check_every` steps; True on any process stops every process
     # at that step, with a checkpoint (raises Interrupted).

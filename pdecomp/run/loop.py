@@ -127,11 +127,11 @@ def calibrated(g: Gated, run_dir: Path, done: int, hooks: Hooks) -> None:
     """The measured peak beside the gate's prediction, in gate.json and the metrics."""
     if not calibrate(g.report, g.mesh):
         return
-    write_json(run_dir / "gate.json", g.report)
+    g.report.write(run_dir)
     if hooks.on_metrics:
         hooks.on_metrics(done, {
-            "hbm/measured_peak_gib": g.report["measured_peak_bytes"] / GiB,
-            "hbm/predicted_over_measured": g.report["predicted_over_measured"]})
+            "hbm/measured_peak_gib": g.report.measured_peak_bytes / GiB,
+            "hbm/predicted_over_measured": g.report.predicted_over_measured})
 
 
 @dataclass
@@ -171,7 +171,7 @@ class MetricsLog:
         if tokens := g.run.kind.tokens_per_example(g.run.data):
             last["perf/tokens_per_s"] = last["perf/examples_per_s"] * tokens
         self.t_log = now
-        last["hbm/predicted_peak_gib"] = g.report["peak_bytes"] / GiB
+        last["hbm/predicted_peak_gib"] = g.report.peak_bytes / GiB
         if measured := measured_memory(g.mesh):
             last["hbm/peak_gib"], last["hbm/in_use_gib"] = (b / GiB for b in measured)
         self.history.append({"step": done, **last})
