@@ -48,10 +48,13 @@ from transformers import (
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 from transformers.models.llama import modeling_llama
 from transformers.models.mistral import modeling_mistral
 from transformers.models.qwen2 import modeling_qwen2
+from transformers.models.qwen3 import modeling_qwen3
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests" / "fixtures" / "llama"
@@ -61,6 +64,7 @@ FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM, modeling_llama),
     "mistral": (MistralConfig, MistralForCausalLM, modeling_mistral),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, modeling_qwen2),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, modeling_qwen3),
 }
 # The variants' shared shape: 2 layers, GQA 4/2, head_dim 16.
 SMALL = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
@@ -136,6 +140,14 @@ FIXTURES = {
         "seed": 94, "family": "qwen2", "legacy_config": False, "max_shard_size": None,
         "config": {**SMALL, "rope_theta": 10000.0, "use_sliding_window": True,
                    "sliding_window": 6, "max_window_layers": 1},
+    },
+    # QK-norm (an RMSNorm over each head's query and key before RoPE, its weights not ones),
+    # a head_dim (24) that is not hidden / heads (16), tied embeddings
+    "qwen3_qknorm": {
+        "seed": 95, "family": "qwen3", "legacy_config": False, "max_shard_size": None,
+        "config": {**SMALL, "head_dim": 24, "rope_theta": 1000000.0,
+                   "tie_word_embeddings": True, "attention_bias": False,
+                   "use_sliding_window": False},
     },
 }
 
@@ -221,6 +233,13 @@ def sensitivity(name: str, model, cfg: dict, tokens, ref: np.ndarray,
         diffs["no_sliding_window"] = without("sliding_window", None)
     if family == "qwen2" and cfg.get("use_sliding_window"):
         diffs["no_sliding_window"] = without("use_sliding_window", None)
+    if family == "qwen3":  # each head's query and key as they come, not normalized
+        norms = [m for n, m in model.named_modules() if n.endswith(("q_norm", "k_norm"))]
+        for m in norms:
+            m.forward = lambda x: x
+        diffs["no_qk_norm"] = np.abs(forward(model, tokens)[0] - ref).max()
+        for m in norms:
+            del m.forward
     biases = [p for n, p in model.named_parameters() if n.endswith(".bias")]
     if biases:
         saved = [b.clone() for b in biases]
@@ -369,7 +388,10 @@ matter (the script checks that each feature moves the logits by more than 1e-2).
     in every layer; {made_with("mistral_window")});
   - `qwen2_window/` (`Qwen2ForCausalLM`, `use_sliding_window: true`, `sliding_window: 6`,
     `max_window_layers: 1`: layer 0 full, layer 1 windowed; also q/k/v biases;
-    {made_with("qwen2_window")}).
+    {made_with("qwen2_window")});
+  - `qwen3_qknorm/` (`Qwen3ForCausalLM`: QK-norm, an RMSNorm over each head's query and
+    key before RoPE, its weights not ones; head_dim 24, not hidden / heads; tied
+    embeddings; rope_theta 1e6; {made_with("qwen3_qknorm")}).
 
 Regenerate (needs torch + transformers + safetensors, which are not project dependencies):
 

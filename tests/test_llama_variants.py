@@ -1,6 +1,6 @@
 """The Llama family's variants, by their flags: attention biases (Llama's `attention_bias`,
-Qwen2's q/k/v) and sliding windows (Mistral's every layer, Qwen2's from `max_window_layers`)
-against transformers' own classes (committed fixtures, scripts/make_llama_fixtures.py), and
+Qwen2's q/k/v), sliding windows (Mistral's every layer, Qwen2's from `max_window_layers`) and
+QK-norm with a head_dim of its own (Qwen3) against transformers' own classes (committed fixtures, scripts/make_llama_fixtures.py), and
 the same flags on a model without a checkpoint, decomposed."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pdecomp.spd.components import frozen_linear
 from pdecomp.spd.step import init_state, make_train_step
 from pdecomp.targets.hf_checkpoint import CheckpointError, load_config, load_hf
 
-VARIANTS = ["llama_bias", "qwen2_bias", "mistral_window", "qwen2_window"]
+VARIANTS = ["llama_bias", "qwen2_bias", "mistral_window", "qwen2_window", "qwen3_qknorm"]
 
 
 @pytest.mark.jax_versions  # the loader's variants
@@ -47,10 +47,13 @@ def test_what_each_config_json_makes_of_its_flags():
     biases = {n: load_config(FIXTURES / n).bias for n in VARIANTS}
     assert biases == {"llama_bias": ("q_proj", "k_proj", "v_proj", "o_proj"),
                       "qwen2_bias": ("q_proj", "k_proj", "v_proj"), "mistral_window": (),
-                      "qwen2_window": ("q_proj", "k_proj", "v_proj")}
+                      "qwen2_window": ("q_proj", "k_proj", "v_proj"), "qwen3_qknorm": ()}
     windows = {n: load_config(FIXTURES / n).windows for n in VARIANTS}
     assert windows == {"llama_bias": (), "qwen2_bias": (), "mistral_window": (8, 8),
-                       "qwen2_window": (0, 6)}
+                       "qwen2_window": (0, 6), "qwen3_qknorm": ()}
+    assert [n for n in VARIANTS if load_config(FIXTURES / n).qk_norm] == ["qwen3_qknorm"]
+    qwen3 = load_config(FIXTURES / "qwen3_qknorm")
+    assert qwen3.d_head == 24 != qwen3.hidden_size // qwen3.num_attention_heads
 
 
 @pytest.mark.jax_versions  # the loader's variants
@@ -62,6 +65,59 @@ def test_qwen2_without_use_sliding_window_ignores_its_window(tmp_path):
     assert load_config(path).windows == ()
     x = np.load(path / "tokens.npy")
     assert _rel_err(np.asarray(load_hf(path)(x)), np.load(path / "logits.npy")) <= 1e-5
+
+
+@pytest.mark.jax_versions  # the loader's variants
+@pytest.mark.parametrize(("config", "message"), [
+    ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]},
+     "model_type 'qwen3_moe' is not computed by this loader"),
+    ({"use_sliding_window": True, "sliding_window": 4,
+      "layer_types": ["full_attention", "chunked_attention"]},
+     "layer_types=.* is not computed by this loader"),
+])
+def test_a_qwen3_this_loader_does_not_compute_is_refused_in_one_line(tmp_path, config, message):
+    path = _variant(tmp_path, "q3", base="qwen3_qknorm", **config)
+    with pytest.raises(CheckpointError, match=message) as e:
+        load_hf(path)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.jax_versions  # the loader's variants
+def test_qk_norm_gains_the_config_implies_must_be_stored(tmp_path):
+    path = _variant(tmp_path, "n", base="qwen3_qknorm")
+    from safetensors.numpy import load_file, save_file
+
+    weights = load_file(path / "model.safetensors")
+    del weights["model.layers.1.self_attn.k_norm.weight"]
+    save_file(weights, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"tensor model.layers.1.self_attn.k_norm.weight "
+                                              r"missing"):
+        load_hf(path)
+
+
+@pytest.mark.slow  # a compile of its own: outside the quick tier
+def test_a_qwen3_checkpoint_decomposes_its_attention():
+    """Sites in a Qwen3's attention (the projections QK-norm reads): the steps run, every
+    term finite, and the components move towards the weights (faithfulness falls)."""
+    cfg = tiny_cfg()
+    recon = {k: dc.replace(t, sites_per_chunk=min(t.sites_per_chunk, 2))
+             for k, t in cfg.loss.recon.items()}
+    cfg = dc.replace(cfg, model=dc.replace(cfg.model, path=str(FIXTURES / "qwen3_qknorm")),
+                     layers=dc.replace(cfg.layers, sites=[
+                         "layers.1.self_attn.q_proj", "layers.1.self_attn.k_proj"], C=8),
+                     loss=dc.replace(cfg.loss, recon=recon))
+    validate(cfg)
+    target = load_hf(cfg.model.path)
+    spec = resolve(cfg).step
+    state = init_state(jax.random.PRNGKey(1), spec, target)
+    step = jax.jit(make_train_step(spec))
+    x = np.load(FIXTURES / "qwen3_qknorm" / "tokens.npy")[:, :8]
+    faith = []
+    for _ in range(5):
+        state, metrics = step(state, target, x)
+        assert all(np.isfinite(float(v)) for k, v in metrics.items() if k.startswith("loss/"))
+        faith.append(float(metrics["loss/faithfulness"]))
+    assert faith == sorted(faith, reverse=True) and faith[-1] < faith[0], faith
 
 
 @pytest.mark.jax_versions  # the loader's variants

@@ -146,6 +146,7 @@ class LlamaModelConfig(TrainedModelConfig):
     tie_embeddings: bool = False
     attn_bias: list[str] = field(default_factory=list)  # q_proj, k_proj, v_proj: Qwen2's
     sliding_window: int = 0  # Mistral's sliding_window in every layer; 0: full attention
+    qk_norm: bool = False  # Qwen3's RMSNorm over each head's query and key before RoPE
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,8 @@ def arch(model: ModelConfig) -> llama.LlamaConfig:
         rms_norm_eps=model.rms_norm_eps, rope_theta=model.rope_theta,
         rope_scaling=dict(model.rope_scaling) or None, tie_word_embeddings=model.tie_embeddings,
         bias=tuple(model.attn_bias),
-        windows=(model.sliding_window,) * model.n_layers if model.sliding_window else ())
+        windows=(model.sliding_window,) * model.n_layers if model.sliding_window else (),
+        qk_norm=model.qk_norm)
 
 
 class LlamaKind(Kind):

@@ -29,21 +29,23 @@ class CheckpointError(ValueError):
 
 def attention_bias(data: dict[str, Any]) -> tuple[str, ...]:
     """The projections transformers builds with a bias for this config.json: Qwen2's q, k
-    and v always; all four of a Llama's with `attention_bias`."""
+    and v always; all four of a Llama's or a Qwen3's with `attention_bias`."""
     if data.get("model_type") == "qwen2":
         return ("q_proj", "k_proj", "v_proj")
-    return ATTN if data.get("model_type") == "llama" and data.get("attention_bias") else ()
+    with_flag = data.get("model_type") in ("llama", "qwen3") and data.get("attention_bias")
+    return ATTN if with_flag else ()
 
 
 def layer_windows(data: dict[str, Any]) -> tuple[int, ...]:
     """Each layer's sliding window as transformers applies it (0: full causal attention):
-    Mistral's `sliding_window` in every layer; Qwen2's only with `use_sliding_window`, in
-    the layers `layer_types` names sliding (by default those from `max_window_layers` on)."""
+    Mistral's `sliding_window` in every layer; Qwen2's and Qwen3's only with
+    `use_sliding_window`, in the layers `layer_types` names sliding (by default those from
+    `max_window_layers` on)."""
     kind, n = data.get("model_type"), int(data.get("num_hidden_layers", 0))
     window = data.get("sliding_window")
     if kind == "mistral" and window:
         return (int(window),) * n
-    if kind == "qwen2" and window and data.get("use_sliding_window"):
+    if kind in ("qwen2", "qwen3") and window and data.get("use_sliding_window"):
         first = data.get("max_window_layers", 28)
         types = data.get("layer_types") or ["sliding_attention" if i >= first else
                                              "full_attention" for i in range(n)]
@@ -55,9 +57,10 @@ def layer_windows(data: dict[str, Any]) -> tuple[int, ...]:
 def config_from_hf(data: dict[str, Any]) -> LlamaConfig:
     """A config.json's architecture. Both layouts of the RoPE settings: top-level `rope_theta` + `rope_scaling` (the
     Hub's Llama-3 checkpoints) and `rope_parameters` (what transformers 5 writes)."""
-    names = {f.name for f in fields(LlamaConfig)} - {"bias", "windows"}
+    names = {f.name for f in fields(LlamaConfig)} - {"bias", "windows", "qk_norm"}
     kwargs = {k: v for k, v in data.items() if k in names and v is not None}
     kwargs["bias"], kwargs["windows"] = attention_bias(data), layer_windows(data)
+    kwargs["qk_norm"] = data.get("model_type") == "qwen3"
     rope = data.get("rope_parameters")
     if rope:
         kwargs["rope_theta"] = rope.get("rope_theta", kwargs.get("rope_theta", 10_000.0))
@@ -78,6 +81,10 @@ def _hf_bias(i: int, name: str) -> str:
     return f"model.layers.{i}.self_attn.{name}.bias"
 
 
+def _hf_qk_norm(i: int, name: str) -> str:
+    return f"model.layers.{i}.self_attn.{name}.weight"
+
+
 def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape (HF stores linear weights as [d_out, d_in])."""
     d, inter, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
@@ -91,6 +98,8 @@ def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     for i in range(cfg.num_hidden_layers):
         out |= {hf: per_layer[k] for k, hf in _hf_names(i).items()}
         out |= {_hf_bias(i, n): per_layer[n][:1] for n in cfg.bias}
+        if cfg.qk_norm:
+            out |= {_hf_qk_norm(i, n): (cfg.d_head,) for n in ("q_norm", "k_norm")}
     return out
 
 
@@ -147,8 +156,9 @@ FLOAT_DTYPES = ("F32", "BF16", "F16")
 # something else unless they sit at their neutral value. A checkpoint of another family, or
 # with such a field set, is refused: loading it would decompose a model the user did not
 # name, and nothing downstream could tell.
-MODEL_TYPES = ("llama", "mistral", "qwen2")
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                 "Qwen3ForCausalLM")
 NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "attention_bias": (lambda v: not v, "false (q/k/v/o projections without bias)"),
     "mlp_bias": (lambda v: not v, "false (MLP projections without bias)"),
@@ -168,7 +178,8 @@ NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
 # transformers ignores them, and a value other than neutral says the author meant a model
 # this loader would not compute.
 COMPUTED = {"llama": ("attention_bias",), "mistral": ("sliding_window",),
-            "qwen2": ("sliding_window", "use_sliding_window", "layer_types")}
+            "qwen2": ("sliding_window", "use_sliding_window", "layer_types"),
+            "qwen3": ("attention_bias", "sliding_window", "use_sliding_window", "layer_types")}
 # Tensors that carry no computation of their own: RoPE's frequencies (recomputed from the
 # config) and, with tied embeddings, a stored copy of the head (transformers ties it over).
 IGNORED_TENSORS = (r"\.rotary_emb\.inv_freq$",)
@@ -190,7 +201,7 @@ def check_computable(data: dict[str, Any], where: str) -> None:
             raise CheckpointError(f"{where}: {key}={json.dumps(data[key])} is not computed by "
                                   f"this loader; allowed: {allowed}")
     kinds = {"full_attention", "sliding_attention"}
-    if kind == "qwen2" and not set(data.get("layer_types") or ()) <= kinds:
+    if kind in ("qwen2", "qwen3") and not set(data.get("layer_types") or ()) <= kinds:
         raise CheckpointError(f"{where}: layer_types={json.dumps(data['layer_types'])} is not "
                               f"computed by this loader; allowed: {', '.join(sorted(kinds))}")
     for key in ("rope_scaling", "rope_parameters"):
@@ -272,6 +283,8 @@ def load_hf(path: str | Path, dtype: Any = jnp.float32,
         "mlp": {n: stacked(n, True) for n in MLP},
         "final_norm": single("model.norm.weight", False),
         "lm_head": None if cfg.tie_word_embeddings else single("lm_head.weight", True),
+        "q_norm": stacked("q_norm", False, _hf_qk_norm) if cfg.qk_norm else None,
+        "k_norm": stacked("k_norm", False, _hf_qk_norm) if cfg.qk_norm else None,
     }
     abstract = jax.eval_shape(lambda: init_llama(jax.random.PRNGKey(0), cfg, dtype))
     return _materialize(abstract, readers, shardings)
@@ -285,7 +298,7 @@ def _materialize(abstract: Llama, readers: dict[str, Any], shardings: Llama | No
 
     values = {}
     for name in ("embed", "attn_norm", "attn", "attn_bias", "mlp_norm", "mlp", "final_norm",
-                 "lm_head"):
+                 "lm_head", "q_norm", "k_norm"):
         a, r = getattr(abstract, name), readers[name]
         s = getattr(shardings, name) if shardings is not None else None
         if a is None:

@@ -2,8 +2,9 @@
 
 GQA attention, RoPE (with Llama-3's "llama3" frequency scaling), RMSNorm, SwiGLU MLP, tied
 or untied embeddings; the family's variants by their flags: attention projections with a
-bias (Qwen2's q/k/v, Llama's `attention_bias`) and a sliding attention window (Mistral's
-every layer, Qwen2's layers from `max_window_layers` on). Per-layer weights are stacked on a
+bias (Qwen2's q/k/v, Llama's `attention_bias`), a sliding attention window (Mistral's
+every layer, Qwen2's layers from `max_window_layers` on), and QK-norm (Qwen3's RMSNorm over
+each head's query and key before RoPE, with a head_dim of its own). Per-layer weights are stacked on a
 leading layer axis so runs of layers that hold no decomposed site run under one `lax.scan`.
 Layers that hold a site route each matmul through the caller's `linear(site, x, W)` with
 HF-style site names (`layers.18.mlp.gate_proj`, `layers.3.self_attn.q_proj`, ...); given a
@@ -65,6 +66,7 @@ class LlamaConfig:
     # (`hf_checkpoint.config_from_hf`).
     bias: tuple[str, ...] = ()  # the attention projections that add a bias
     windows: tuple[int, ...] = ()  # each layer's sliding window, 0 for none; (): none at all
+    qk_norm: bool = False  # Qwen3's RMSNorm over each head's query and key, before RoPE
 
     @property
     def d_head(self) -> int:
@@ -113,6 +115,9 @@ class Llama(eqx.Module):
     final_norm: Float[Array, " d"]
     lm_head: Float[Array, "d vocab"] | None
     cfg: LlamaConfig = eqx.field(static=True)
+    # QK-norm's gains, each head's (cfg.qk_norm; None without)
+    q_norm: Float[Array, "L d_head"] | None = None
+    k_norm: Float[Array, "L d_head"] | None = None
 
     @property
     def n_layers(self) -> int:
@@ -143,6 +148,8 @@ class Llama(eqx.Module):
              "bias": {n: b[i] for n, b in self.attn_bias.items()}}
         if self.cfg.windows:
             w["window"] = jnp.asarray(self.cfg.windows, jnp.int32)[i]
+        if self.cfg.qk_norm:
+            w["q_norm"], w["k_norm"] = self.q_norm[i], self.k_norm[i]
         return w
 
     def rope(self, t: int) -> tuple[Array, Array]:
@@ -163,8 +170,12 @@ class Llama(eqx.Module):
             return y + w["bias"][name].astype(y.dtype) if name in w["bias"] else y
 
         x = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
-        q = apply_rope(attn_proj("q_proj", x).reshape(b, t, n_h, d), cos, sin)
-        k = apply_rope(attn_proj("k_proj", x).reshape(b, t, n_kv, d), cos, sin)
+        q = attn_proj("q_proj", x).reshape(b, t, n_h, d)
+        k = attn_proj("k_proj", x).reshape(b, t, n_kv, d)
+        if "q_norm" in w:  # each head's query and key normalized over its own dimensions
+            q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = attn_proj("v_proj", x).reshape(b, t, n_kv, d)
         # grouped heads: query head h = g * rep + r reads kv head g
         q = q.reshape(b, t, n_kv, n_h // n_kv, d)
@@ -376,4 +387,6 @@ def init_llama(key: Array, cfg: LlamaConfig, dtype: Any = jnp.float32) -> Llama:
         mlp_norm=jnp.ones((L, d), dtype),
         mlp={n: normal((L, *shapes[n]), shapes[n][0] ** -0.5) for n in MLP},
         final_norm=jnp.ones((d,), dtype),
-        lm_head=None if cfg.tie_word_embeddings else normal((d, v), d ** -0.5), cfg=cfg)
+        lm_head=None if cfg.tie_word_embeddings else normal((d, v), d ** -0.5), cfg=cfg,
+        q_norm=jnp.ones((L, cfg.d_head), dtype) if cfg.qk_norm else None,
+        k_norm=jnp.ones((L, cfg.d_head), dtype) if cfg.qk_norm else None)
