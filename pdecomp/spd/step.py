@@ -620,10 +620,10 @@ def loss_fn(ps: Pass, imp_grad: dict[str, Array] | None, step_key: Array, params
         imp = sum(jnp.sum(imp_grad[g] * S[g]) for g in S)
         terms = {}
     total = spec.method.imp_coeff * imp
-    rows = sources and {s: ps.source_rows(v, m) for s, v in sources.items()}
-    mb = Microbatch(ps, components, ci, rows, obs, at)
-    keys = jax.random.split(step_key, max(len(spec.method.terms), 1))
-    for term, key in zip(spec.method.terms, keys):
-        terms[term.name] = term.value(mb, key) / n_micro
+    mb = Microbatch(ps, components, ci, sources, obs, m, at)
+    random = [t for t in spec.method.terms if t.random]
+    keys = dict(zip(random, jax.random.split(step_key, max(len(random), 1))))
+    for term in spec.method.terms:
+        terms[term.name] = term.value(mb, keys.get(term)) / n_micro
         total = total + term.coeff * terms[term.name]
     return total, (terms, {s: v / n_micro for s, v in l0.items()})

@@ -28,18 +28,22 @@ class Microbatch(NamedTuple):
     forwards: Any  # the step's `Pass`: its masked forwards (`recon_distance`, `pgd_distance`)
     components: Components  # as the forwards use them: tied followers built
     ci: Any  # ci_lower by group; (CI function, its features) when the step streams its CI
-    sources: dict[str, Array] | None  # the persistent adversary's rows for this microbatch
+    sources: dict[str, Array] | None  # the persistent adversary's, for the whole batch
     observed: Any  # the step's `Observed`: the clean forward's record of the microbatch
+    m: Array | int  # the microbatch's number
     at: Positions | None  # where the microbatch sits in the batch (None: the whole batch)
 
 
 @dataclass(frozen=True)
 class Term:
-    """`value(microbatch, key)`: the term's mean over the microbatch's positions."""
+    """`value(microbatch, key)`: the term's mean over the microbatch's positions. Only a
+    `random` term is given a key of its own (None otherwise): a deterministic one changes
+    no other term's draws."""
 
     name: str
     coeff: float
-    value: Callable[[Microbatch, Array], Array]
+    value: Callable[[Microbatch, Array | None], Array]
+    random: bool = True
 
 
 @dataclass(frozen=True)
@@ -59,9 +63,10 @@ class StochasticRecon:
         return sum(ds) / len(ds)
 
 
-def adversarial_recon(mb: Microbatch, key: Array) -> Array:
+def adversarial_recon(mb: Microbatch, key: None) -> Array:
     """D(every site masked by the persistent adversary's sources, clean)."""
-    return mb.forwards.pgd_distance(mb.components, mb.ci, mb.sources, mb.observed)
+    rows = {s: mb.forwards.source_rows(v, mb.m) for s, v in mb.sources.items()}
+    return mb.forwards.pgd_distance(mb.components, mb.ci, rows, mb.observed)
 
 
 def of(loss: LossConfig, sites: tuple[str, ...]) -> tuple[Term, ...]:
@@ -72,5 +77,5 @@ def of(loss: LossConfig, sites: tuple[str, ...]) -> tuple[Term, ...]:
                                 t.routing))
            for name, t in loss.recon.items() if t.coeff > 0]
     if loss.pgd.coeff > 0:
-        out.append(Term("pgd", loss.pgd.coeff, adversarial_recon))
+        out.append(Term("pgd", loss.pgd.coeff, adversarial_recon, random=False))
     return tuple(out)
