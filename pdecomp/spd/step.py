@@ -371,8 +371,10 @@ def step(plan: StepPlan, state: TrainState, target, batch: Array) -> tuple[Train
     g_comp = jax.lax.optimization_barrier(g_comp)
     terms = {"faithfulness": faith,
              "imp_min": terms.pop("imp_min") if imp_grad is None else imp_value, **terms}
+    # the random terms' sum, then the others': the order of the sums before the terms tuple
     terms["total"] = (method.faith_coeff * faith + method.imp_coeff * terms["imp_min"]
-                      + sum(t.coeff * terms[t.name] for t in method.terms))
+                      + sum(t.coeff * terms[t.name] for t in method.terms if t.random)
+                      + sum(t.coeff * terms[t.name] for t in method.terms if not t.random))
     new = update(plan, state, stepped, (g_comp, g_ci, g_src), adversary, lr, key)
     metrics = {**{f"loss/{k}": v for k, v in terms.items()},
                "train/l0": site_order(ps.layout, spec.sites.names, l0),
