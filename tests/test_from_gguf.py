@@ -28,7 +28,9 @@ LAYER = {"input_layernorm.weight": "attn_norm.weight",
          **{f"self_attn.{p}_proj.{w}": f"attn_{g}.{w}" for p, g in
             (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output")) for w in ("weight", "bias")},
          "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-         "mlp.down_proj.weight": "ffn_down.weight"}
+         "mlp.down_proj.weight": "ffn_down.weight",
+         "self_attn.q_norm.weight": "attn_q_norm.weight",
+         "self_attn.k_norm.weight": "attn_k_norm.weight"}
 GLOBAL = {"model.embed_tokens.weight": "token_embd.weight",
           "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
 
@@ -134,10 +136,12 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-@pytest.mark.parametrize("name", ["gqa_llama3", "tied_sharded", "llama_bias", "qwen2_bias"])
+@pytest.mark.parametrize("name", ["gqa_llama3", "tied_sharded", "llama_bias", "qwen2_bias",
+                                  "qwen3_qknorm"])
 def test_a_float32_gguf_converts_to_the_fixtures_weights_and_logits(tmp_path, name):
     """GQA with llama3 RoPE scaling, a tied head, attention biases (permuted like q/k's
-    rows) and a qwen2 (not permuted): the weights exactly, the logits as the loader's."""
+    rows), a qwen2 (not permuted) and a qwen3 (QK-norm gains, a head_dim of its own): the
+    weights exactly, the logits as the loader's."""
     src = FIXTURES / name
     write_gguf(src, tmp_path / "m.gguf")
     out = from_gguf.convert(tmp_path / "m.gguf", tmp_path / name)
@@ -151,7 +155,7 @@ def test_a_float32_gguf_converts_to_the_fixtures_weights_and_logits(tmp_path, na
     converted, original = load_config(out), cfg
     for field in ("num_hidden_layers", "hidden_size", "intermediate_size",
                   "num_attention_heads", "num_key_value_heads", "d_head", "rope_theta",
-                  "tie_word_embeddings", "vocab_size", "bias"):
+                  "tie_word_embeddings", "vocab_size", "bias", "qk_norm"):
         assert getattr(converted, field) == getattr(original, field), field
     model_type = json.loads((src / "config.json").read_text())["model_type"]
     assert json.loads((out / "config.json").read_text())["model_type"] == model_type

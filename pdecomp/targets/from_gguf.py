@@ -1,5 +1,5 @@
-"""`pdecomp convert`: a Llama-family GGUF file (llama.cpp's format) as a Hugging Face model
-directory that the loader (`pdecomp.targets.llama`) and transformers both read.
+"""`pdecomp convert`: a Llama-family GGUF file (llama.cpp's format: architectures llama,
+qwen2 and qwen3) as a Hugging Face model directory that the loader (`pdecomp.targets.llama`) and transformers both read.
 
 - config.json from the GGUF's metadata (layers, widths, heads, KV heads, RoPE base and
   llama3 scaling, RMS eps, context length, vocab, BOS/EOS);
@@ -30,7 +30,7 @@ import numpy as np
 
 # The architectures converted, as the GGUF names them -> config.json's model_type. Mistral's
 # GGUFs are `llama` (llama.cpp converts MistralForCausalLM so).
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 SHARD_BYTES = 2 * 1024 ** 3  # float32 bytes per safetensors shard
 
 # GGUF tensor names -> Hugging Face's (per layer: `blk.{i}.` -> `model.layers.{i}.`).
@@ -44,7 +44,10 @@ _LAYER = {"attn_norm.weight": "input_layernorm.weight",
           "attn_output.weight": "self_attn.o_proj.weight",
           "attn_output.bias": "self_attn.o_proj.bias",
           "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
-          "ffn_down.weight": "mlp.down_proj.weight"}
+          "ffn_down.weight": "mlp.down_proj.weight",
+          # Qwen3's QK-norm gains
+          "attn_q_norm.weight": "self_attn.q_norm.weight",
+          "attn_k_norm.weight": "self_attn.k_norm.weight"}
 
 # `tokenizer.ggml.pre` -> the pre-tokenizer of the model's own tokenizer.json (the split
 # llama.cpp's vocab code applies for that name). The regexes are the models' own.
@@ -154,7 +157,8 @@ def _config(path: Path, reader: Any, arch: str, tensors: dict[str, Any]) -> dict
                 or (embed.shape[-1] if embed is not None else 0))
     theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
     config: dict[str, Any] = {
-        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]],
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                           "qwen3": "Qwen3ForCausalLM"}[arch]],
         "model_type": ARCHITECTURES[arch],
         "hidden_size": d, "intermediate_size": int(need("feed_forward_length")),
         "num_hidden_layers": int(need("block_count")),
@@ -169,8 +173,9 @@ def _config(path: Path, reader: Any, arch: str, tensors: dict[str, Any]) -> dict
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
-    if arch == "llama":
+    if arch in ("llama", "qwen3"):  # their projections' biases: all four or none
         config["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    if arch == "llama":
         config["mlp_bias"] = False
     else:
         config["use_sliding_window"] = False
