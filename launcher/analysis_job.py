@@ -52,7 +52,8 @@ def one_process(params: dict[str, Any]) -> str | None:
 def run_analysis(argv: list[str], gpus: int) -> int:
     """In the job: the analysis, as `pdecomp analyze argv` runs it on this machine."""
     from launcher.commands.analyze import main
-    from launcher.job import check_gpus_seen, log_report
+    from launcher.job import check_gpus_seen
+    from launcher.wandb_run import log_report
     from pdecomp.core.config import ConfigError
 
     cluster.split_cpu_devices()
@@ -100,7 +101,7 @@ def main(own: list[str], kind: str, params: dict[str, Any], wait: bool) -> int:
     """`pdecomp analyze own` on the launcher `kind` (`basic`: here) with `params`, its
     `hydra.launcher` keys; checked, then run or submitted."""
     from launcher.commands import analyze
-    from launcher.job import log_report
+    from launcher.wandb_run import log_report
 
     if kind == "basic":
         return analyze.main(own, on_report=log_report)

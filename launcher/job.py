@@ -1,4 +1,6 @@
-"""One job: run directory, wandb, progress and reports around `pdecomp.run.decompose.decompose`."""
+"""One job's lifecycle around `pdecomp.run.decompose.decompose`: its run directory, its
+wandb run (launcher.wandb_run), its progress, and how it ends (what it prints:
+launcher.printing)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ import shutil
 import sys
 import time
 import traceback
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,85 +20,16 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Table
 
 from launcher import cluster, host, outcome, snapshot
-from launcher.console import make_console
+from launcher.printing import console, gate_table, print_findings, temps_table
 from launcher.registry import to_run_config
+from launcher.wandb_run import WandbLogger, wandb_mode
 from pdecomp.core.config import ConfigError, RunConfig
 from pdecomp.core.exits import EXIT_BAD_CONFIG, EXIT_FAULT, EXIT_GATE_REFUSED, EXIT_REQUEUED
 from pdecomp.core.storage import WriteFailed
-from pdecomp.core.units import GiB, fmt_bytes
+from pdecomp.core.units import GiB
 from pdecomp.gate.report import GateReport
-from pdecomp.gate.report import rows as gate_rows
-
-console = make_console(stderr=True)
-
-
-def gate_table(report: GateReport, title: str = "memory gate (per device)") -> Table:
-    table = Table(title=title, show_header=False)
-    for label, value in gate_rows(report):
-        table.add_row(label, value)
-    return table
-
-
-def temps_table(report: GateReport) -> Table | None:
-    """What to cut: the largest temporaries, with the operation and source line behind each."""
-    if not report.largest_temps:
-        return None
-    table = Table(title="largest temporaries (XLA buffer assignment)")
-    for col in ("size", "shape", "operation", "source"):
-        table.add_column(col, overflow="fold")
-    for t in report.largest_temps:
-        table.add_row(fmt_bytes(t["bytes"]), t["shape"], t["op"], t["source"])
-    return table
-
-
-def wandb_mode(cfg: RunConfig) -> str:
-    """`logging.wandb.mode`, else $WANDB_MODE, else offline."""
-    return cfg.logging.wandb.mode or os.environ.get("WANDB_MODE") or "offline"
-
-
-class WandbLogger:
-    """One wandb run per job, resumed by its id (`wandb_id.txt` in the run directory),
-    named and grouped as `logging.wandb` and the job say; wandb's own environment and login
-    (a self-hosted host, an entity) are the user's."""
-
-    def __init__(self, cfg: RunConfig, run_dir: Path, config: dict[str, Any],
-                 identity: dict[str, Any]):
-        import wandb
-
-        os.environ.setdefault("WANDB_SILENT", "true")
-        id_file = run_dir / "wandb_id.txt"
-        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
-        id_file.write_text(run_id)
-        w = cfg.logging.wandb
-        self.run = wandb.init(project=w.project, entity=w.entity or None, id=run_id,
-                              resume="allow", dir=str(run_dir), config=config,
-                              mode=wandb_mode(cfg), job_type=w.job_type, **identity,
-                              settings=wandb.Settings(console="wrap"))
-
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        self.run.log(metrics, step=step)
-
-    def summary(self, key: str, value: Any) -> None:
-        self.run.summary[key] = value
-
-    def artifact(self, kind: str, path: Path, by_reference: bool) -> None:
-        """`path` as an artifact of this run: by reference (its location, nothing copied or
-        read: a checkpoint of any size), or its files copied (a report)."""
-        import wandb
-
-        art = wandb.Artifact(f"{kind}-{self.run.id}", type=kind,
-                             metadata={"path": str(path.resolve())})
-        if by_reference:
-            art.add_reference(path.resolve().as_uri(), checksum=False)
-        else:
-            art.add_dir(str(path))
-        self.run.log_artifact(art)
-
-    def finish(self, exit_code: int = 0) -> None:
-        self.run.finish(exit_code=exit_code)
 
 
 def wandb_identity(job: Job) -> dict[str, Any]:
@@ -118,61 +50,6 @@ def wandb_config(job: Job) -> dict[str, Any]:
 
     return {**job.resolved, "pdecomp": {**provenance(), "preset": job.preset,
                                         "overrides": job.overrides}}
-
-
-def log_report(run: Any, index: Path) -> None:
-    """After `pdecomp analyze` on a run that logs to wandb: the report's plots, as images,
-    in that run's wandb (resumed by its id; offline unless WANDB_MODE says otherwise)."""
-    if wandb_mode(run.config) == "disabled":
-        return
-    import wandb
-    import yaml
-
-    config = yaml.safe_load((run.run_dir / "config.yaml").read_text())
-    wb = WandbLogger(run.config, run.run_dir, config, {})
-    wb.run.log({**{f"analyze/{p.stem}": wandb.Image(str(p))
-                   for p in sorted(index.parent.glob("*.png"))},
-                **analysis_tables(index.parent)})
-    if run.config.logging.wandb.artifacts:
-        wb.artifact("report", index.parent, by_reference=False)
-    wb.finish()
-
-
-def analysis_tables(report: Path) -> dict[str, Any]:
-    """Each site's component table (`components/<site>.parquet` of the report) as a
-    wandb.Table, its rows by firing frequency, at most the rows wandb takes in one log
-    (wandb.Table.MAX_ROWS): the whole table is the Parquet file (and the report artifact).
-    A list cell (the top contexts) is shown joined."""
-    import pyarrow.parquet as pq
-    import wandb
-
-    tables = {}
-    for path in sorted((report / "components").glob("*.parquet")):
-        t = pq.read_table(path)
-        site = (t.schema.metadata or {}).get(b"site", path.stem.encode()).decode()
-        t = t.sort_by([("frequency", "descending")]).slice(0, wandb.Table.MAX_ROWS)
-        rows = [[_cell(v) for v in r.values()] for r in t.to_pylist()]
-        tables[f"analyze/components/{site}"] = wandb.Table(columns=t.column_names, data=rows)
-    return tables
-
-
-def _cell(value: Any) -> Any:
-    """A list cell as one string: each entry by its name (a context's text, a token, a
-    partner as site:component) with its first figure (CI, count, logit or probability)."""
-    if not isinstance(value, list):
-        return value
-
-    def one(v: Any) -> str:
-        if not isinstance(v, dict):
-            return str(v)
-        name = (v["text"] if "text" in v else repr(v["token"]) if "token" in v
-                else f"{v.get('site')}:{v.get('component')}")
-        figure = next((v[k] for k in ("ci", "count", "logit", "p") if k in v), None)
-        if figure is None:
-            return name
-        return f"{name} ({figure:.3g})" if isinstance(figure, float) else f"{name} ({figure})"
-
-    return " | ".join(one(v) for v in value)
 
 
 def last_checkpoint(run_dir: Path) -> Path | None:
@@ -466,63 +343,3 @@ def _stop_for_scheduler(ranks: cluster.Ranks, signals: cluster.StopSignals, e: E
         sys.exit(EXIT_REQUEUED)
     cluster.say(ranks, f"{why}: {e}; exit {signals.exit_code()}")
     sys.exit(signals.exit_code())
-
-
-# Per-site metrics the findings table shows where the summary has them: (column, summary
-# key, format).
-FINDINGS_COLUMNS = (("1-hot live", "live_one_hot", "d"), ("MMCS", "mmcs", ".3f"),
-                    ("ML2R", "ml2r", ".3f"), ("one-to-one", "one_to_one", "d"))
-
-
-def print_pgd_curve(cfg: RunConfig, summary: dict[str, Any]) -> None:
-    """The fresh adversary's KL after each of its ascent counts (loss.eval_pgd.curve_to)
-    beside the zero-ablation KL of the same sites, in nats: the field's robustness figure."""
-    pgd = cfg.loss.eval_pgd
-    if not any(f"kl/pgd_{m}" in summary for m in pgd.marks):
-        return
-    curve = ", ".join(f"{m}: {summary[f'kl/pgd_{m}']:.4g}" for m in pgd.marks)
-    console.print(f"fresh adversary ({pgd.scope} sources, sign steps of {pgd.step_size:g}), KL "
-                  f"to the target after n ascents, nats: {curve}; every site ablated: "
-                  f"{summary['kl/zero']:.4g}")
-
-
-def print_findings(cfg: RunConfig, summary: dict[str, Any], run_dir: Path) -> None:
-    """What the decomposition found, in a form a person reads at a glance."""
-    from pdecomp.kinds import site_C
-    from pdecomp.spd.metrics import EVAL_KINDS
-
-    table = Table(title=f"{cfg.name}: what SPD found")
-    sites = site_C(cfg.model, cfg.layers)
-    # the kind's per-site metrics: those the summary has for some site
-    extra = [(col, key, spec) for col, key, spec in FINDINGS_COLUMNS
-             if any(f"{key}/{s}" in summary for s in sites)]
-    # site names whole, never cut to "layers.0.mlp_…" on a narrow console
-    table.add_column("site", no_wrap=True, min_width=max(map(len, sites)))
-    thr = cfg.loss.ci_threshold  # the field counts L0 at CI > 0; ours also above the threshold
-    for col in ("C", "live", f"L0 (CI > {thr:g})", "L0 (CI > 0)", *(c for c, _, _ in extra)):
-        table.add_column(col)
-    for site, C in sites.items():
-        def fmt(key: str, spec: str = ".3f", site: str = site) -> str:
-            v = summary.get(f"{key}/{site}")
-            return "-" if v is None else format(v, spec)
-
-        table.add_row(site, str(C), fmt("live", "d"), fmt("l0"), fmt("l0_any"),
-                      *(fmt(key, spec) for _, key, spec in extra))
-    console.print(table)
-    if "ce/target" in summary:  # an LM: how much of the target's behaviour each mask keeps
-        masks = Table(title=f"every site masked; target CE {summary['ce/target']:.4f}")
-        for col in ("mask", "CE", "KL to target", "CE unrecovered"):
-            masks.add_column(col)
-        for kind in EVAL_KINDS:
-            if f"ce/{kind}" not in summary:  # pgd: loss.eval_pgd.n_steps=0
-                continue
-            unrecovered = summary[f"ce_unrecovered/{kind}"]
-            masks.add_row(kind, f"{summary[f'ce/{kind}']:.4f}", f"{summary[f'kl/{kind}']:.4f}",
-                          "n/a (zero-ablation CE ≤ target's)" if unrecovered is None
-                          else f"{unrecovered:.3f}")
-        console.print(masks)
-        print_pgd_curve(cfg, summary)
-    for key in ("plots/tms_directions", "plots/mean_ci"):
-        if key in summary:
-            console.print(f"plot: {summary[key]}")
-    console.print(f"run dir: {run_dir}")

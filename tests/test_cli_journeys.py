@@ -122,7 +122,7 @@ def test_findings_table_keeps_site_names_whole_on_a_narrow_console(
 
     from rich.console import Console
 
-    from launcher import job
+    from launcher import printing
     from pdecomp.core.config import ResidMLPConfig, RunConfig
 
     base = RunConfig()
@@ -130,9 +130,9 @@ def test_findings_table_keeps_site_names_whole_on_a_narrow_console(
     cfg = dc.replace(base, model=ResidMLPConfig(name="resid_mlp1"),
                      layers=dc.replace(base.layers, sites=sites, C=100, tie=False))
     out = io.StringIO()
-    monkeypatch.setattr(job, "console", Console(file=out, width=80))  # a log file's width
+    monkeypatch.setattr(printing, "console", Console(file=out, width=80))  # a log file's width
     summary = {f"{k}/{s}": v for s in sites for k, v in (("live", 100), ("l0", 0.94))}
-    job.print_findings(cfg, {**summary, "one_to_one/layers.0.mlp_in": 100}, tmp_path)
+    printing.print_findings(cfg, {**summary, "one_to_one/layers.0.mlp_in": 100}, tmp_path)
     for site in sites:
         assert f" {site} " in out.getvalue(), out.getvalue()
 
