@@ -21,6 +21,7 @@ import pytest
 from conftest import PDECOMP, leet, ok, pdecomp
 
 from pdecomp.analysis import analyze, view
+from pdecomp.analysis import report as analysis_report
 from pdecomp.core.memory import MemoryPolicy
 from pdecomp.kinds.language_model import token_stream
 from pdecomp.run.load import load_run
@@ -81,7 +82,7 @@ def test_lm_report_matches_a_direct_recomputation(lm_report: Path, cache) -> Non
     assert sorted(p.name for p in out.iterdir()) == ["components", "frequency_norm.png",
                                                      "gate.json", "index.html", "mean_ci.png"]
     page = (out / "index.html").read_text()
-    rows = table_rows(page, analyze._site_id(SITE) + "-components")
+    rows = table_rows(page, analysis_report._site_id(SITE) + "-components")
     run = load_run(lm_report)
     C = run.config.layers.C
     assert len(rows) == C
@@ -191,9 +192,9 @@ def test_a_failed_write_leaves_the_previous_report(tms_report: Path, tmp_path: P
         (out / "index.html").write_text("half")
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(analyze, "render", half)
+    monkeypatch.setattr(analysis_report, "render", half)
     with pytest.raises(RuntimeError, match="disk full"):
-        analyze.write_report(None, run_dir)  # type: ignore[arg-type]
+        analysis_report.write_report(None, run_dir)  # type: ignore[arg-type]
     assert (run_dir / "analysis" / "index.html").read_bytes() == before
     assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith(".analysis")) == []
 
@@ -231,14 +232,14 @@ def browse(chromium: str, url: str, tmp: Path, *flags: str) -> str:
 def test_the_report_renders_in_a_browser(chromium: str, lm_report: Path, cache,
                                          tmp_path: Path) -> None:
     index = lm_report / "analysis" / "index.html"
-    table = analyze._site_id(SITE) + "-components"
+    table = analysis_report._site_id(SITE) + "-components"
     # sorted on load by frequency, descending, through the page's own script
     dom = browse(chromium, f"{index.as_uri()}#sort={table}:1:desc", tmp_path, "--dump-dom")
     run = load_run(lm_report)
     assert "function sortTable" in dom and "addEventListener(\"click\"" in dom
     assert len(table_rows(dom, "sites")) == len(run.config.layers.sites) == 3
     for site in run.config.layers.sites:
-        assert len(table_rows(dom, analyze._site_id(site) + "-components")) == \
+        assert len(table_rows(dom, analysis_report._site_id(site) + "-components")) == \
             run.config.layers.C
     freq = [float(r[1]) for r in table_rows(dom, table)]
     assert freq == sorted(freq, reverse=True) and freq[0] > 0
@@ -873,12 +874,12 @@ def test_a_sites_static_table_lists_its_most_frequent_components_when_large(monk
                                                                              ) -> None:
     """Past STATIC_ROWS components, the page lists the most frequent (in component order)
     and says where the rest are."""
-    monkeypatch.setattr(analyze, "STATIC_ROWS", 5)
+    monkeypatch.setattr(analysis_report, "STATIC_ROWS", 5)
     C = 20
     freq = np.random.default_rng(0).random(C)
     v = analyze.SiteStats(freq, freq / 2, freq, np.ones(C), 100, np.zeros((C, 10), int))
     a = analyze.Analysis(None, {"s": v}, None, None, "")
-    page = "\n".join(analyze._site_rows(a, "layers.0.mlp.up_proj", v))
+    page = "\n".join(analysis_report._site_rows(a, "layers.0.mlp.up_proj", v))
     shown = [int(c) for c in re.findall(r"<tr[^>]*><td data-v=\"(\d+)\"", page)]
     assert shown == sorted(np.argsort(-freq)[:5].tolist())
     assert "the 5 most frequent" in page and "layers.0.mlp.up_proj.parquet" in page

@@ -15,7 +15,8 @@ import jax
 from launcher.commands.common import Parser, progress_bar
 from pdecomp.analysis import gate as analysis_gate
 from pdecomp.analysis import state as analysis_state
-from pdecomp.analysis.analyze import analyse, options, reads_tokens, write_report
+from pdecomp.analysis.analyze import analyse, options, reads_tokens
+from pdecomp.analysis.report import write_report
 from pdecomp.core import hardware, storage
 from pdecomp.core.exits import EXIT_BAD_CONFIG, EXIT_GATE_REFUSED
 from pdecomp.core.units import fmt_bytes
