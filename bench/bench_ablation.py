@@ -53,7 +53,7 @@ def site_figures(first: np.ndarray, exact: np.ndarray) -> dict:
 
 def main(run_dir: Path, per_site: int = 48, windows: int = 64) -> None:
     run = load_run(run_dir, whole_state=False)
-    threshold = run.run.loss.ci_threshold
+    threshold = run.run.config.loss.ci_threshold
     sums = {s: {"first": 0.0, "exact": 0.0} for s in run.components.sites}
     chosen, t0 = {}, time.perf_counter()
 

@@ -370,7 +370,7 @@ def pgd_curve(run_dir: Path, steps: tuple[int, ...], scope: str, n_batches: int 
     batches = batches[:n_batches] if n_batches else batches
     placed = run.kind.for_evaluation((loaded.target, loaded.components, loaded.ci_fn),
                                      sharding)
-    pgd = EvalPGDConfig(n_steps=max(steps), step_size=run.loss.eval_pgd.step_size,
+    pgd = EvalPGDConfig(n_steps=max(steps), step_size=run.config.loss.eval_pgd.step_size,
                         scope=scope)
     kls = metrics.lm_pgd_curve(*placed, batches, jax.random.fold_in(key, 1),
                                run.evaluation.delta, run.evaluation.compute_dtype, pgd, steps)

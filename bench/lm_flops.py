@@ -150,9 +150,9 @@ def traced_count(cfg) -> int:
     from pdecomp.spd.step import make_train_step
 
     run = resolve(cfg, len(jax.devices()))
-    target, state = abstract_run(run, jax.random.PRNGKey(run.seed))
+    target, state = abstract_run(run, jax.random.PRNGKey(run.config.seed))
     mesh = sharding.make_mesh(run.placement)
-    batch = run.kind.batch_abstract(run.model, run.data, run.batch.size,
+    batch = run.kind.batch_abstract(run.config.model, run.config.data, run.batch.size,
                                     NamedSharding(mesh, P(sharding.AXIS)))
     return gate.matmul_flops(jax.jit(make_train_step(run.step)).trace(state, target,
                                                                       batch).jaxpr)

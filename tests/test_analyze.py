@@ -464,7 +464,7 @@ def test_prompt_shows_the_components_firing_at_each_token(lm_report: Path, tmp_p
     run = load_run(lm_report, whole_state=False)
     ci = metrics.causal_importances(run.target, run.components, run.ci_fn,
                                     jnp.asarray([ids], jnp.int32))
-    thr = run.run.loss.ci_threshold
+    thr = run.run.config.loss.ci_threshold
     for t, r in enumerate(rows):
         want = {(s, int(c)): float(v[0, t, c]) for s, v in ci.items()
                 for c in np.nonzero(np.asarray(v[0, t]) > thr)[0]}

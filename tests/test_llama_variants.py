@@ -1,7 +1,7 @@
 """The Llama family's variants, by their flags: attention biases (Llama's `attention_bias`,
 Qwen2's q/k/v), sliding windows (Mistral's every layer, Qwen2's from `max_window_layers`) and
-QK-norm with a head_dim of its own (Qwen3) against transformers' own classes (committed fixtures, scripts/make_llama_fixtures.py), and
-the same flags on a model without a checkpoint, decomposed."""
+QK-norm with a head_dim of its own (Qwen3) against transformers' own classes (committed
+fixtures, scripts/make_llama_fixtures.py), and the same flags on a model without a checkpoint, decomposed."""
 
 from __future__ import annotations
 

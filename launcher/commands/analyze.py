@@ -132,7 +132,7 @@ def gated_run(args: Any, log: Callable[[str], None]
         mesh = analysis_mesh(args.devices)
     report = analysis_gate.gate(plan, mesh, options(plan, args.top_k, args.reservoir,
                                                     not args.no_cofire, not args.no_ablation),
-                                args.batch_size or plan.data.batch_size, args.hbm_cap_gib,
+                                args.batch_size or plan.config.data.batch_size, args.hbm_cap_gib,
                                 args.target if deviceless else None)
     if not report.fits:
         raise GateRefused(report)

@@ -35,7 +35,8 @@ def main(argv: Sequence[str]) -> int:
     except RunDirError as e:
         return refuse(PROG, f"{e}; expects a run directory with config.yaml and checkpoints/")
     if not reads_tokens(loaded.run):
-        return refuse(PROG, f"{args.run_dir}: a {loaded.run.model.kind} run reads no tokens; "
+        kind = loaded.run.config.model.kind
+        return refuse(PROG, f"{args.run_dir}: a {kind} run reads no tokens; "
                             "only a language model's")
     ids = token_ids(loaded, args.text, args.ids, args.tokenizer)
     if isinstance(ids, str):

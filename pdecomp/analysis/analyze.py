@@ -130,14 +130,14 @@ def options(run: Run, top_k: int, reservoir: int, cofire: bool, ablation: bool =
     within each layer (`cofire`)."""
     lm = reads_tokens(run)
     return harvest.Options(
-        run.loss.ci_threshold, top_k if lm else 0, reservoir if lm else 0,
+        run.config.loss.ci_threshold, top_k if lm else 0, reservoir if lm else 0,
         harvest.layer_groups(tuple(run.sites)) if cofire else (), lm, lm and ablation)
 
 
 def reads_tokens(run: Run) -> bool:
     """A language model's run: analysed on held-out token windows, with top-k contexts; a
     toy's on sampled inputs, with each feature's CI."""
-    return run.kind.tokens_per_example(run.data) > 0
+    return run.kind.tokens_per_example(run.config.data) > 0
 
 
 def _lm_windows(run: LoadedRun, windows: int, batch_size: int, split: str = "held_out"

@@ -76,15 +76,15 @@ def manifest(loaded: LoadedRun, ci: dict[str, np.ndarray]) -> dict[str, Any]:
     return {
         "format": FORMAT, "run_dir": str(loaded.run_dir), "step": loaded.step,
         "provenance": written.get("provenance"),
-        "model": {"kind": run.model.kind, "name": run.name,
-                  "path": getattr(run.model, "path", None) or None},
+        "model": {"kind": run.config.model.kind, "name": run.config.name,
+                  "path": getattr(run.config.model, "path", None) or None},
         "weight": "W ≈ V @ U, [d_in, d_out], applied as y = x @ W",
         "sites": sites,
-        "ci_fn": {"kind": run.layers.ci_fn, "hidden": list(run.layers.ci_hidden),
+        "ci_fn": {"kind": run.config.layers.ci_fn, "hidden": list(run.config.layers.ci_hidden),
                   "tensors": {k: list(v.shape) for k, v in ci.items()},
-                  "fires_above": run.loss.ci_threshold,
+                  "fires_above": run.config.loss.ci_threshold,
                   "semantics": "docs/method.md: CI = clamp(logits, 0, 1) per component"},
-        "delta": run.layers.delta,
+        "delta": run.config.layers.delta,
     }
 
 

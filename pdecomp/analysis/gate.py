@@ -32,7 +32,7 @@ def analysis_cap(run: Run, mesh: Mesh, cap_gib: float | None, target: str | None
     """The per-device cap: `cap_gib`, else the run's `memory.hbm_cap_gib`, else (deviceless,
     `target` a GPU kind) the card's memory x the usable fraction a job on it has, else what
     the devices analysed on hold (gate.device_cap_bytes)."""
-    mem = run.memory
+    mem = run.config.memory
     gib = mem.hbm_cap_gib if cap_gib is None else cap_gib
     usable = hardware.usable_memory(mem.safety_fraction)
     if target and gib <= 0:
@@ -64,7 +64,8 @@ def gate(run: Run, mesh: Mesh, o: harvest.Options, batch_size: int,
     """The analysis step's gate report on `mesh` (fits: its peak is under the cap);
     `target`: the GPU kind of a deviceless mesh."""
     target_abs, state_abs = placed_abstract(run, mesh)
-    batch = run.kind.batch_abstract(run.model, run.data, batch_size, NamedSharding(mesh, P()))
+    batch = run.kind.batch_abstract(run.config.model, run.config.data, batch_size,
+                                    NamedSharding(mesh, P()))
     tied, step = dict(run.tied), harvest.step_fn(o)
     C = state_abs.components.site_C
     C |= {s: C[source] for s, source in tied.items()}  # a tied site shares its source's C

@@ -30,7 +30,7 @@ def firing(loaded: LoadedRun, ids: Sequence[int]) -> list[list[tuple[str, int, f
     strongest first."""
     ci = metrics.causal_importances(loaded.target, loaded.components, loaded.ci_fn,
                                     jnp.asarray([list(ids)], jnp.int32))
-    thr = loaded.run.loss.ci_threshold
+    thr = loaded.run.config.loss.ci_threshold
     out: list[list[tuple[str, int, float]]] = [[] for _ in ids]
     for site, v in ci.items():
         v = np.asarray(v[0])
@@ -61,12 +61,12 @@ def token_ids(loaded: LoadedRun, text: str | None, ids: str | None,
         except ValueError:
             return f"--ids {ids!r}: comma-separated integers"
     else:
-        where = tokenizer or loaded.run.model.path
+        where = tokenizer or loaded.run.config.model.path
         out = encode(where, text) if where else None
         if out is None:
             return (f"no tokenizer.json in {where or 'the run (its model has no path)'}; "
                     "give --tokenizer DIR or --ids")
-    vocab, longest = loaded.run.model.vocab_size, loaded.run.data.seq_len
+    vocab, longest = loaded.run.config.model.vocab_size, loaded.run.config.data.seq_len
     if not out or not all(0 <= i < vocab for i in out):
         return f"token ids must be in [0, {vocab}) and at least one: {out}"
     if len(out) > longest:
@@ -78,6 +78,6 @@ def per_token(loaded: LoadedRun, ids: list[int], tokenizer: str | None = None
               ) -> list[dict[str, Any]]:
     """Per token: its position, id, text and `firing`, [site, component, CI] strongest
     first."""
-    pieces = Tokens(tokenizer or loaded.run.model.path).pieces(ids)
+    pieces = Tokens(tokenizer or loaded.run.config.model.path).pieces(ids)
     return [{"position": t, "id": i, "text": text, "firing": [list(f) for f in fired]}
             for t, (i, text, fired) in enumerate(zip(ids, pieces, firing(loaded, ids)))]

@@ -136,11 +136,11 @@ class Prompter:
                 except RunDirError as e:
                     raise ValueError(str(e)) from None
             if not reads_tokens(self._loaded.run):
-                raise ValueError(f"a {self._loaded.run.model.kind} run reads no tokens")
+                raise ValueError(f"a {self._loaded.run.config.model.kind} run reads no tokens")
             ids = prompt.token_ids(self._loaded, args.get("text"), args.get("ids"))
             if isinstance(ids, str):
                 raise ValueError(ids)  # noqa: TRY004 - the refusal's one line, sent as a 400
-            return {"threshold": self._loaded.run.loss.ci_threshold,
+            return {"threshold": self._loaded.run.config.loss.ci_threshold,
                     "tokens": prompt.per_token(self._loaded, ids)}
 
 

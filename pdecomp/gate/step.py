@@ -96,7 +96,7 @@ class Compiler:
         return NamedSharding(self.layout.mesh, P(sharding.AXIS))
 
     def batch(self, run: Run) -> jax.ShapeDtypeStruct:
-        return run.kind.batch_abstract(run.model, run.data, run.batch.size,
+        return run.kind.batch_abstract(run.config.model, run.config.data, run.batch.size,
                                        self.batch_sharding)
 
     def floor(self, run: Run) -> GateReport:
@@ -113,13 +113,13 @@ class Compiler:
         batch = self.batch(run)
         compiled, report = gate_lib.compile_and_report(
             make_train_step(run.step, self.layout), (self.state_abs, self.target_abs, batch),
-            donate_argnums=(0,) if run.memory.donate else (),
+            donate_argnums=(0,) if run.config.memory.donate else (),
             out_shardings=(sharding.shardings(self.state_abs),
                            NamedSharding(self.layout.mesh, P())),
-            parts=argument_parts(run, self.target_abs, self.state_abs, batch), top_temps=run.gate.top_temps, detach=self.detach,
+            parts=argument_parts(run, self.target_abs, self.state_abs, batch), top_temps=run.config.gate.top_temps, detach=self.detach,
             **self.where)
         report.batch_size, report.memory_env = run.batch.size, self.memory_env
-        if run.memory.offload_opt_state and run.placement.deviceless:
+        if run.config.memory.offload_opt_state and run.placement.deviceless:
             # Compile-only devices have no host memory space: jax drops the memory kind.
             report.note = ("memory.offload_opt_state: a deviceless compile has no host "
                               "memory, so the optimizer moments count as device arguments "
@@ -131,14 +131,14 @@ def gate(run: Run, run_dir: Path, detach: bool, log: Callable[[str], None]) -> G
     """Compile the run's step (after gate.fit's search), write gate.json, refuse over the
     cap. `detach`: a deviceless gate-only run may report from XLA's buffer assignment and
     leave code generation running (the front end ends the process)."""
-    init_key, data_key = jax.random.split(jax.random.PRNGKey(run.seed))
-    if run.gate.fit == "mesh":
+    init_key, data_key = jax.random.split(jax.random.PRNGKey(run.config.seed))
+    if run.config.gate.fit == "mesh":
         run, compiler, compiled, report = search_mesh(run, init_key, log)
     else:
         # Host-memory (offload) buffers are not told apart in XLA's dump: offload compiles
         # whole.
-        detach = (detach and run.gate.only and run.gate.fit == "none"
-                  and run.placement.deviceless and run.memory.remat != "offload")
+        detach = (detach and run.config.gate.only and run.config.gate.fit == "none"
+                  and run.placement.deviceless and run.config.memory.remat != "offload")
         compiler = prepare(run, init_key, detach)
         run, compiled, report = search(run, compiler, log)
     mesh = compiler.layout.mesh
@@ -146,9 +146,9 @@ def gate(run: Run, run_dir: Path, detach: bool, log: Callable[[str], None]) -> G
     # rematerialized site layers keep (a refusal's hints)
     report.microbatches = run.batch.microbatches
     report.max_microbatches = run.batch.size // mesh.shape[sharding.AXIS]
-    report.site_layer_saves = (run.memory.site_layer_saves if run.memory.remat_layers
+    report.site_layer_saves = (run.config.memory.site_layer_saves if run.config.memory.remat_layers
                                else None)
-    if run.logging.eval_every or run.logging.slow_eval_every:
+    if run.config.logging.eval_every or run.config.logging.slow_eval_every:
         gate_evaluation(run, compiler, report)
     report.write(run_dir)
     return Gated(run, mesh, compiler.batch_sharding, compiler.target_abs, compiler.state_abs,
@@ -162,7 +162,7 @@ def gate_evaluation(run: Run, compiler: Compiler, report: GateReport) -> None:
     steps (the step's arguments but its batch). In the report's `programs` beside the
     step's; one over the cap refuses the run."""
     s, mesh = compiler.state_abs, compiler.layout.mesh
-    x = run.kind.batch_abstract(run.model, run.data, run.batch.microbatch,
+    x = run.kind.batch_abstract(run.config.model, run.config.data, run.batch.microbatch,
                                 compiler.batch_sharding)
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, P()))
     parts = report.argument_parts_bytes
@@ -187,7 +187,7 @@ def evaluation_programs(run: Run, components_abs: Any, replicated: NamedSharding
     (target, components, ci_fn, batch, key) with the training state's components (tied
     sites unfolded inside, as `evaluate` does before): what the gate compiles beside the step."""
     tied = dict(run.tied)
-    ci = metrics.ci_summary_program(run.loss.ci_threshold, replicated)
+    ci = metrics.ci_summary_program(run.config.loss.ci_threshold, replicated)
     out = {"eval/ci_summary": lambda t, c, f, x, k: ci(t, with_tied(c, tied), f, x)}
     sites = tuple(jax.eval_shape(lambda c: with_tied(c, tied), components_abs).layout.order)
     if (own := run.kind.eval_program(run.evaluation, sites)) is not None:
@@ -203,7 +203,7 @@ def prepare(run: Run, init_key: Array, detach: bool) -> Compiler:
     target_abs, state_abs = abstract_run(run, init_key)
     target_abs = sharding.place(target_abs, layout)
     state_abs = sharding.place(state_abs, layout, sharding.OFFLOADED
-                               if run.memory.offload_opt_state else ())
+                               if run.config.memory.offload_opt_state else ())
     cap, cap_source, memory_env = gate_cap(run, mesh)
     where = {"cap_bytes": cap, "cap_source": cap_source, "target": target_name(run, mesh),
              "mesh": dict(mesh.shape), "hosts": len({d.process_index for d in mesh.devices.flat}),
@@ -234,16 +234,16 @@ def search_mesh(run: Run, init_key: Array, log: Callable[[str], None]
 def search(run: Run, compiler: Compiler, log: Callable[[str], None]
            ) -> tuple[Run, Any, GateReport]:
     """gate.fit's search, or the run's own step: the run compiled, its executable, its report."""
-    if run.gate.fit == "batch":
+    if run.config.gate.fit == "batch":
         size, compiled, report = fit.fit_batch(
             lambda b: compiler.compile(run.with_batch(b)), run.batch.size,
-            compiler.layout.mesh.size * run.batch.microbatches, run.gate.fit_max_batch,
+            compiler.layout.mesh.size * run.batch.microbatches, run.config.gate.fit_max_batch,
             lambda b: compiler.floor(run.with_batch(b)))
         run = run.with_batch(size)
         if report.fits:  # a refusal says why in its own line
             log(f"gate.fit=batch: data.batch_size={size}: {report.fit['why']}")
         return run, compiled, report
-    if run.gate.fit == "microbatches":
+    if run.config.gate.fit == "microbatches":
         m, compiled, report = fit.fit_microbatches(
             lambda m: compiler.compile(run.with_microbatches(m)),
             sharding.microbatch_counts(run.batch.size, compiler.layout.mesh.shape[sharding.AXIS]))
@@ -259,7 +259,7 @@ def gate_cap(run: Run, mesh: Mesh) -> tuple[int, str, dict[str, Any] | None]:
     target, the card's memory from the hardware table x the usable fraction, the pool a job
     on it will have), and for a GPU the usable-memory record for gate.json (None elsewhere:
     the allocator settings are a GPU's)."""
-    mem, target = run.memory, run.placement.target
+    mem, target = run.config.memory, run.placement.target
     usable = hardware.usable_memory(mem.safety_fraction)
     deviceless = run.placement.deviceless
     gpu = deviceless or mesh.devices.flat[0].platform == "gpu"

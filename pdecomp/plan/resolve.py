@@ -61,18 +61,6 @@ class Run:
     step: StepSpec
     evaluation: EvalSpec
 
-    # The groups that need no resolving, read as composed.
-    model = property(lambda self: self.config.model)
-    data = property(lambda self: self.config.data)
-    layers = property(lambda self: self.config.layers)
-    loss = property(lambda self: self.config.loss)
-    optim = property(lambda self: self.config.optim)
-    memory = property(lambda self: self.config.memory)
-    gate = property(lambda self: self.config.gate)
-    logging = property(lambda self: self.config.logging)
-    seed = property(lambda self: self.config.seed)
-    name = property(lambda self: self.config.name)
-
     def with_batch(self, size: int) -> Run:
         """This run at another global batch (the gate's batch search)."""
         data = dc.replace(self.config.data, batch_size=size)

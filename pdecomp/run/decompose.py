@@ -40,12 +40,12 @@ def prepare(cfg: RunConfig, run_dir: str | Path | None = None) -> Run:
     settled = with_microbatch_size(cfg, n_devices)
     validate(settled, n_devices)  # before the paths are made absolute: named as typed
     run = resolve(settled, n_devices, composed=cfg)
-    sharding.check_target(run.gate)
+    sharding.check_target(run.config.gate)
     if not deviceless:
         sharding.make_mesh(run.placement)  # its checks: every process of the job has devices
-    if not run.gate.only:  # the gate needs shapes only, not the data
-        run.kind.preflight(run.model, run.data, run.seed)
-    if run_dir is not None and not run.gate.only:
+    if not run.config.gate.only:  # the gate needs shapes only, not the data
+        run.kind.preflight(run.config.model, run.config.data, run.config.seed)
+    if run_dir is not None and not run.config.gate.only:
         check_resumable(run, Path(run_dir))
     return run
 
@@ -68,7 +68,7 @@ def decompose(run: Run | RunConfig, run_dir: str | Path, hooks: Hooks | None = N
         hooks.on_gate(g.report)
     if not g.report.fits:
         raise GateRefused(g.report)
-    if g.run.gate.only:
+    if g.run.config.gate.only:
         return {"gate": g.report.to_json()}
     target, target_meta = load_target(g.run, g.target_abs, hooks.log)
     note_peak(g, "target loaded")
@@ -86,7 +86,7 @@ def decompose(run: Run | RunConfig, run_dir: str | Path, hooks: Hooks | None = N
     del state
 
     summary: dict[str, Any] = {}
-    if g.run.data.eval_batches:  # 0: a run evaluated later, or timed alone
+    if g.run.config.data.eval_batches:  # 0: a run evaluated later, or timed alone
         summary, evaluated = evaluate(g.run, target, learned, g.batch_sharding)
         note_peak(g, "evaluation")
         summary.update(draw(g.run, evaluated, history, run_dir))

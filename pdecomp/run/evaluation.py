@@ -48,7 +48,7 @@ def evaluate(run: Run, target: Any, state: Learned | TrainState,
     components = with_tied(state.components, dict(run.tied))
     target, components, ci_fn = kind.for_evaluation((target, components, state.ci_fn),
                                                     replicated)
-    ci = metrics.ci_summary(target, components, ci_fn, batches, run.loss.ci_threshold,
+    ci = metrics.ci_summary(target, components, ci_fn, batches, run.config.loss.ci_threshold,
                             replicated)
     summary: dict[str, Any] = {}
     for s, v in ci.items():
@@ -57,7 +57,7 @@ def evaluate(run: Run, target: Any, state: Learned | TrainState,
         summary[f"l0_any/{s}"] = v["l0_any"]
     spec = run.evaluation if final else dc.replace(
         run.evaluation, pgd=dc.replace(run.evaluation.pgd, curve_to=0))
-    summary.update(kind.evaluate(run.model, spec, target, components, ci_fn, batches,
+    summary.update(kind.evaluate(run.config.model, spec, target, components, ci_fn, batches,
                                  eval_key, ci))
     return summary, Evaluated(target, components, ci)
 
@@ -66,19 +66,20 @@ def held_out_batches(run: Run, batch_sharding: NamedSharding) -> tuple[Any, list
     """The evaluation's key and its batches, fresh and held out (`data.eval_batches` of them,
     each in training's microbatches: a whole batch at once would need memory the step, which
     takes it in optim.microbatches pieces, never did)."""
-    eval_key = jax.random.PRNGKey(run.seed + EVAL_SEED_OFFSET)
-    micro = dc.replace(run.data, batch_size=run.batch.microbatch)
-    sample = run.kind.batch_sampler(run.model, micro, run.seed, batch_sharding, eval_key,
-                                    held_out=True)
-    return eval_key, [sample(i) for i in range(run.data.eval_batches * run.batch.microbatches)]
+    eval_key = jax.random.PRNGKey(run.config.seed + EVAL_SEED_OFFSET)
+    micro = dc.replace(run.config.data, batch_size=run.batch.microbatch)
+    sample = run.kind.batch_sampler(run.config.model, micro, run.config.seed, batch_sharding,
+                                    eval_key, held_out=True)
+    n = run.config.data.eval_batches * run.batch.microbatches
+    return eval_key, [sample(i) for i in range(n)]
 
 
 def draw(run: Run, evaluated: Evaluated, history: list[dict[str, float]],
          run_dir: Path) -> dict[str, str]:
     """The result's plots (rank 0, `logging.plots`): summary key -> file drawn."""
-    if not run.logging.plots or not hosts.is_main_process():
+    if not run.config.logging.plots or not hosts.is_main_process():
         return {}
-    thr, ci = run.loss.ci_threshold, evaluated.ci
+    thr, ci = run.config.loss.ci_threshold, evaluated.ci
     out = {"plots/mean_ci": str(plots.plot_mean_ci(ci, run_dir / "mean_ci.png", thr))}
     if history:
         out["plots/history"] = str(plots.plot_history(history, run_dir / "history.png"))

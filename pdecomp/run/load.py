@@ -141,7 +141,7 @@ def check_agrees(run: Run, run_dir: Path) -> None:
     another C or kind): found from the shapes and the checkpoint's metadata, before anything
     is compiled or read. A checkpoint whose metadata cannot be read is left to the reader."""
     ckpt_dir = checkpoints_of(run_dir, whole_state=False)
-    _, state_abs = abstract_run(run, jax.random.PRNGKey(run.seed))
+    _, state_abs = abstract_run(run, jax.random.PRNGKey(run.config.seed))
     ckpt = Checkpointer(ckpt_dir, quiet=True)
     try:
         step = max(complete_steps(ckpt_dir))
@@ -160,7 +160,7 @@ def placed_abstract(run: Run, mesh: Mesh) -> tuple[Any, TrainState]:
     """The run's target and state as shapes, in the shardings its `mesh.rules` give on
     `mesh`: what a reader restores into, or compiles for."""
     layout = sharding.Layout(mesh, dict(run.placement.mesh.rules))
-    target_abs, state_abs = abstract_run(run, jax.random.PRNGKey(run.seed))
+    target_abs, state_abs = abstract_run(run, jax.random.PRNGKey(run.config.seed))
     return sharding.place(target_abs, layout), sharding.place(state_abs, layout)
 
 

@@ -70,11 +70,12 @@ def train(g: Gated, target: Any, state: TrainState, start: int, ckpt: Checkpoint
     (once, gate.calibrate_after steps in), progress, the stop check and the checkpoint
     (every logging.ckpt_every, the last, a stop). The final state and the metrics history."""
     run = g.run
-    sample = run.kind.batch_sampler(run.model, run.data, run.seed, g.batch_sharding, g.data_key)
+    sample = run.kind.batch_sampler(run.config.model, run.config.data, run.config.seed,
+                                    g.batch_sharding, g.data_key)
     # With more simulated CPU devices than cores, in-flight steps can starve the collective
     # rendezvous of threads; waiting on each step avoids that.
     sync_each = jax.default_backend() == "cpu" and g.mesh.size > 1
-    steps, every = run.optim.steps, run.logging
+    steps, every = run.config.optim.steps, run.config.logging
     log = MetricsLog.resume(run_dir, start)
     for i in range(start, steps):
         state, m = g.compiled(state, target, sample(i))
@@ -89,7 +90,7 @@ def train(g: Gated, target: Any, state: TrainState, start: int, ckpt: Checkpoint
             log.evaluated(done, functools.partial(evaluate_now, g, target, state, done, run_dir))
             if hooks.on_metrics:
                 hooks.on_metrics(done, log.history[-1])
-        if done == start + run.gate.calibrate_after:
+        if done == start + run.config.gate.calibrate_after:
             calibrated(g, run_dir, done, hooks)
         if hooks.progress:
             hooks.progress(done, steps, log.last)
@@ -116,9 +117,10 @@ def evaluate_now(g: Gated, target: Any, state: TrainState, done: int, run_dir: P
     run = g.run
     summary, evaluated = evaluate(run, target, Learned(state.components, state.ci_fn),
                                   g.batch_sharding, final=False)
-    if due(run.logging.slow_eval_every, done, run.optim.steps) and hosts.is_main_process():
+    slow = due(run.config.logging.slow_eval_every, done, run.config.optim.steps)
+    if slow and hosts.is_main_process():
         plots.plot_ci_distribution(evaluated.ci, run_dir / "eval" / f"{done}",
-                                   run.loss.ci_threshold, CI_HIST_EDGES)
+                                   run.config.loss.ci_threshold, CI_HIST_EDGES)
     return {f"eval/{k}": float(v) for k, v in summary.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
@@ -168,7 +170,7 @@ class MetricsLog:
         n_steps = done - max(logged[-1] if logged else 0, self.start)
         last["perf/step_s"] = (now - self.t_log) / n_steps
         last["perf/examples_per_s"] = g.run.batch.size / last["perf/step_s"]
-        if tokens := g.run.kind.tokens_per_example(g.run.data):
+        if tokens := g.run.kind.tokens_per_example(g.run.config.data):
             last["perf/tokens_per_s"] = last["perf/examples_per_s"] * tokens
         self.t_log = now
         last["hbm/predicted_peak_gib"] = g.report.peak_bytes / GiB

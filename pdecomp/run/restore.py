@@ -35,7 +35,7 @@ def check_resumable(run: Run, run_dir: Path) -> None:
     if not ckpt_dir.is_dir():
         return
     ckpt = Checkpointer(ckpt_dir)
-    state_abs = abstract_run(run, jax.random.PRNGKey(run.seed))[1]
+    state_abs = abstract_run(run, jax.random.PRNGKey(run.config.seed))[1]
     why, resumed = None, None
     for step in ckpt.steps_newest_first():
         try:
@@ -47,7 +47,7 @@ def check_resumable(run: Run, run_dir: Path) -> None:
     ckpt.close()
     if why:
         raise ConfigError("hydra.run.dir", str(run_dir), f"its checkpoint at step {step} {why}")
-    if resumed is not None and not run.optim.allow_schedule_change:
+    if resumed is not None and not run.config.optim.allow_schedule_change:
         check_schedule(run, run_dir, resumed)
 
 

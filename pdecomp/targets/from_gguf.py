@@ -1,5 +1,6 @@
 """`pdecomp convert`: a Llama-family GGUF file (llama.cpp's format: architectures llama,
-qwen2 and qwen3) as a Hugging Face model directory that the loader (`pdecomp.targets.llama`) and transformers both read.
+qwen2 and qwen3) as a Hugging Face model directory that the loader
+(`pdecomp.targets.llama`) and transformers both read.
 
 - config.json from the GGUF's metadata (layers, widths, heads, KV heads, RoPE base and
   llama3 scaling, RMS eps, context length, vocab, BOS/EOS);

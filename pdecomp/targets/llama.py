@@ -2,14 +2,15 @@
 
 GQA attention, RoPE (with Llama-3's "llama3" frequency scaling), RMSNorm, SwiGLU MLP, tied
 or untied embeddings; the family's variants by their flags: attention projections with a
-bias (Qwen2's q/k/v, Llama's `attention_bias`), a sliding attention window (Mistral's
-every layer, Qwen2's layers from `max_window_layers` on), and QK-norm (Qwen3's RMSNorm over
-each head's query and key before RoPE, with a head_dim of its own). Per-layer weights are stacked on a
-leading layer axis so runs of layers that hold no decomposed site run under one `lax.scan`.
-Layers that hold a site route each matmul through the caller's `linear(site, x, W)` with
-HF-style site names (`layers.18.mlp.gate_proj`, `layers.3.self_attn.q_proj`, ...); given a
-`SiteLinear`, a run of them whose sites read alike is scanned too, its sites' data stacked
-over the layers (the program then holds one traced layer per run, not one per layer).
+bias (Qwen2's q/k/v, Llama's `attention_bias`), a sliding attention window (Mistral's every
+layer, Qwen2's layers from `max_window_layers` on), and QK-norm (Qwen3's RMSNorm over each
+head's query and key before RoPE, with a head_dim of its own). Per-layer weights are stacked
+on a leading layer axis so runs of layers that hold no decomposed site run under one
+`lax.scan`. Layers that hold a site route each matmul through the caller's `linear(site, x,
+W)` with HF-style site names (`layers.18.mlp.gate_proj`, `layers.3.self_attn.q_proj`, ...);
+given a `SiteLinear`, a run of them whose sites read alike is scanned too, its sites' data
+stacked over the layers (the program then holds one traced layer per run, not one per
+layer).
 Weights are [d_in, d_out].
 
 Numerics follow transformers' LlamaForCausalLM: RMSNorm in fp32 and cast back before its
