@@ -57,7 +57,7 @@ def test_paths_are_made_absolute_against_the_working_directory(tmp_path: Path,
     run = resolve(cfg, n_devices=1)
     assert run.config.data.path == str(tmp_path / "text" / "topics.bin")
     assert run.composed.data.path == "text/topics.bin"
-    assert resolve(run.config, n_devices=1).data.path == run.config.data.path  # idempotent
+    assert resolve(run.config, n_devices=1).config.data.path == run.config.data.path  # idempotent
 
 
 def test_run_json_records_the_resolved_run_and_reads_back():
