@@ -71,15 +71,8 @@ class GateReport:
                 out[f.name] = v
         return out
 
-    @staticmethod
-    def from_json(d: dict[str, Any]) -> GateReport:
-        """A report read back (keys this version does not know are left out)."""
-        known = {f.name for f in dc.fields(GateReport)}
-        return GateReport(**{k: v for k, v in d.items() if k in known})
-
     def write(self, run_dir: Path) -> None:
         write_json(Path(run_dir) / FILE, self.to_json())
-
 
 
 def rows(report: GateReport) -> list[tuple[str, str]]:
