@@ -245,6 +245,8 @@ def test_the_mesh_that_fits_in_the_least_predicted_time_is_chosen(peaks, chosen)
     assert ("none of 4 splits fits" in fit["why"]) != report.fits
 
 
+@pytest.mark.slow  # three deviceless compiles of 8 H100s (about a minute); the choice itself is
+# test_the_mesh_that_fits_in_the_least_predicted_time_is_chosen's, in the quick tier
 def test_cli_fit_mesh_takes_the_fastest_split_that_fits(tmp_path: Path,
                                                         env: dict[str, str]) -> None:
     """TMS gated deviceless for 2 hosts x 4 H100s: every split of the 8 whose model axis

@@ -172,6 +172,7 @@ def test_buffer_assignment_sums_like_memory_analysis(tmp_path):
 
 
 @pytest.mark.jax_versions  # XLA's buffer assignment, dump and figures
+@pytest.mark.slow  # two deviceless compiles for 64 B200s (about a minute)
 def test_detached_deviceless_gate_reports_what_the_whole_compile_does(tmp_path):
     """A gate-only deviceless run reads its figures at XLA's buffer assignment and leaves
     code generation running; the figures equal those of the finished compile."""
