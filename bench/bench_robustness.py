@@ -6,6 +6,8 @@ Arms (each a whole `pdecomp +experiment=smollm2_l28` run, one after the other):
   warm-up ascents, CI-function gradients clipped at 1 (the GPU quality job's recipe);
 - `no_pgd`: the same with persistent PGD off;
 - `robust_4x`: the robust recipe at 4x the steps;
+- `robust_4x_warm8`: the same with 8 warm-up ascents of the persistent adversary a step
+  (the peers' advice when a fresh adversary beats the persistent one: more ascents);
 - `published`: the published recipe's preset (`+experiment=smollm2_l28_published`).
 
 Every arm evaluates in the loop (`logging.eval_every`) on the same held-out batches with
@@ -34,18 +36,20 @@ ROBUST = ["loss.pgd.coeff=0.5", "loss.pgd.scope=per_token", "loss.pgd.n_warmup=2
 ARMS = {"robust": (["+experiment=smollm2_l28", *ROBUST], 1),
         "no_pgd": (["+experiment=smollm2_l28", *ROBUST, "loss.pgd.coeff=0"], 1),
         "robust_4x": (["+experiment=smollm2_l28", *ROBUST], 4),
+        "robust_4x_warm8": (["+experiment=smollm2_l28", *ROBUST, "loss.pgd.n_warmup=8"], 4),
         "published": (["+experiment=smollm2_l28_published"], 1)}
 MARKS = (20, 40, 80, 160)
 
 
 def job(arm: str, args: argparse.Namespace) -> list[str]:
-    """The arm's command-line overrides (its preset, the CPU-sized job, the evaluation)."""
+    """The arm's command-line overrides (its preset, the CPU-sized job, the evaluation; an arm
+    of k times the steps evaluates k times as far apart)."""
     over, times = ARMS[arm]
     steps = args.steps * times
     return [*over, f"model.path={args.model}", f"data.path={args.data}",
             f"layers.C={args.C}", "data.batch_size=4", "data.seq_len=64",
             f"optim.steps={steps}", f"logging.log_every={max(steps // 20, 1)}",
-            f"logging.eval_every={args.eval_every}",
+            f"logging.eval_every={args.eval_every * times}",
             f"logging.ckpt_every={max(steps // 10, 1)}",  # history.json as it goes
             f"data.eval_batches={args.eval_batches}", "loss.eval_pgd.scope=shared",
             "loss.eval_pgd.n_steps=20", "logging.wandb.mode=disabled"]
