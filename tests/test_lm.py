@@ -241,7 +241,35 @@ def test_ce_from_the_kl_targets_log_probs_equals_it_from_the_logits():
     by_hand = -np.mean(np.take_along_axis(lp[:, :-1], np.asarray(tokens)[:, 1:, None], axis=-1))
     from_target = losses.next_token_nll(losses.recon_target("kl", logits)[:, :-1], tokens)
     assert float(from_target) == pytest.approx(by_hand, rel=1e-6)
-    assert float(from_target) == float(losses.cross_entropy(logits, tokens))
+    assert float(losses.cross_entropy(logits, tokens)) == pytest.approx(by_hand, rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kl_and_ce_in_chunks_of_positions_equal_them_whole(dtype):
+    """`memory.logits_chunk`: the target kept as its logits (their dtype) and float32
+    log-normaliser, the KL, its gradient in the logits and the CE taken 2 positions of 6 at
+    a time equal those of the float32 log-probs taken whole, within float32 rounding."""
+    x = (4 * jax.random.normal(jax.random.PRNGKey(0), (3, 6, 1001))).astype(dtype)
+    clean = (4 * jax.random.normal(jax.random.PRNGKey(1), (3, 6, 1001))).astype(dtype)
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (3, 6), 0, 1001)
+    whole = losses.recon_target("kl", clean)
+    chunked = losses.recon_target("kl", clean, chunk=2)
+    assert chunked.logits.dtype == jnp.dtype(dtype) and chunked.lse.shape == (3, 6, 1)
+    (v_whole, g_whole), (v_chunked, g_chunked) = (
+        jax.value_and_grad(losses.distance("kl", c))(x, t) for c, t in ((0, whole), (2, chunked)))
+    assert float(v_chunked) == pytest.approx(float(v_whole), rel=1e-6)
+    assert g_chunked.dtype == x.dtype
+    np.testing.assert_allclose(np.asarray(g_chunked, np.float32),
+                               np.asarray(g_whole, np.float32), rtol=1e-5, atol=1e-8)
+    assert float(losses.kl(clean, chunked, 2)) == pytest.approx(0.0, abs=1e-6)
+    nll = [losses.next_token_nll(jax.tree.map(lambda a: a[:, :-1], t), tokens)
+           for t in (whole, chunked)]
+    assert float(nll[1]) == pytest.approx(float(nll[0]), rel=1e-6)
+    ce = [losses.cross_entropy(x, tokens, c) for c in (0, 3)]
+    assert float(ce[1]) == pytest.approx(float(ce[0]), rel=1e-6)
+    # the target is a constant: no gradient flows into it
+    g = jax.grad(lambda c: losses.kl(x, losses.recon_target("kl", c, 2), 2))(clean)
+    assert not np.any(np.asarray(g, np.float32))
 
 
 def test_kl_gradients_equal_autodiff_of_its_definition():

@@ -360,6 +360,12 @@ class MemoryConfig:
     # site's [*pos, C] logits, lower and upper being kept for the whole step. Costs the
     # logit linear again per use (global_transformer: d_model x C per position and site).
     stream_ci: bool = False
+    # KL and CE over chunks of this many sequence positions (0: whole): the clean forward's
+    # log-probs (the recon target, and the evaluation's) are kept as its logits in their
+    # dtype with a float32 log-normaliser, and each KL, its backward and each CE take the
+    # float32 log-probs a chunk at a time: no [*pos, V] float32 tensor is held for the step.
+    # Must divide data.seq_len.
+    logits_chunk: int = 0
     # Rematerialize layer by layer inside the scanned runs of target layers and the global CI
     # transformer's blocks: a backward through them keeps one layer's activations (LMs: its
     # [B, heads, T, T] attention scores) at a time, at one more forward per layer (runs of

@@ -1,7 +1,7 @@
 """How a run spends device memory, resolved once from `memory.*` into the `MemoryPolicy` the
 step and the targets read whole: the compute and matmul precision, what the recon forwards
 and the scanned site layers rematerialize (and what they keep), whether the CI function's
-output is streamed, and whether the optimizer moments live on the host."""
+output is streamed, the positions per chunk of the KL and CE, and whether the optimizer moments live on the host."""
 
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ class MemoryPolicy:
     remat: str = "none"  # a name in REMAT
     remat_names: tuple[str, ...] = ("layer_out",)
     stream_ci: bool = False
+    logits_chunk: int = 0  # positions per chunk of the KL and CE (0: whole)
     remat_layers: bool = False
     site_layer_saves: str = "linears"  # a name in SITE_LAYER_SAVES
     offload_opt_state: bool = False
@@ -52,7 +53,8 @@ class MemoryPolicy:
     @classmethod
     def of(cls, memory: MemoryConfig) -> MemoryPolicy:
         return cls(memory.compute_dtype, memory.matmul_dtype, memory.remat,
-                   tuple(memory.remat_names), memory.stream_ci, memory.remat_layers,
+                   tuple(memory.remat_names), memory.stream_ci, memory.logits_chunk,
+                   memory.remat_layers,
                    memory.site_layer_saves, memory.offload_opt_state)
 
     @property

@@ -46,6 +46,7 @@ class EvalSpec:
     ci_threshold: float  # loss.ci_threshold: a component is live above it
     delta: bool  # layers.delta: the masked forwards run the weight delta
     compute_dtype: DType  # memory.compute_dtype
+    logits_chunk: int  # memory.logits_chunk: positions per chunk of the KL and CE
     pgd: EvalPGDConfig  # loss.eval_pgd: the adversarial evaluation
 
 

@@ -246,13 +246,15 @@ class LlamaKind(Kind):
         if marks := spec.pgd.marks:  # another key: not the probe's adversary continued
             curve = metrics.lm_pgd_curve(target, components, ci_fn, batches,
                                          jax.random.fold_in(key, 1), spec.delta,
-                                         jnp.dtype(spec.compute_dtype), spec.pgd, marks)
+                                         jnp.dtype(spec.compute_dtype), spec.pgd, marks,
+                                         spec.logits_chunk)
             out |= {f"kl/pgd_{m}": v for m, v in curve.items()}
         return out
 
     def eval_program(self, spec: EvalSpec, sites: tuple[str, ...]) -> Callable:
         return metrics.mask_metrics_program(sites, spec.ci_threshold, spec.delta,
-                                            jnp.dtype(spec.compute_dtype), spec.pgd)
+                                            jnp.dtype(spec.compute_dtype), spec.pgd,
+                                            spec.logits_chunk)
 
 
 LLAMA_KIND = LlamaKind()

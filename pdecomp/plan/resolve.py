@@ -104,7 +104,7 @@ def resolve(cfg: RunConfig, n_devices: int | None = None, *,
     placement = Placement(cfg.mesh, cfg.gate.target, deviceless, n, batch.data_axis)
     step = step_spec(cfg, kind, sites, tied)
     evaluation = EvalSpec(cfg.loss.ci_threshold, cfg.layers.delta, cfg.memory.compute_dtype,
-                          cfg.loss.eval_pgd)
+                          cfg.memory.logits_chunk, cfg.loss.eval_pgd)
     return Run(cfg, composed, kind, sites, tied, batch, placement, step, evaluation)
 
 

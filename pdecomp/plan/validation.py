@@ -305,6 +305,10 @@ def _validate_memory_and_gate(cfg: RunConfig) -> None:
     _choice("memory.site_layer_saves", mem.site_layer_saves, SITE_LAYER_SAVES)
     for name in mem.remat_names:
         _choice("memory.remat_names", name, REMAT_NAMES)
+    check_positive("memory.logits_chunk", mem.logits_chunk, zero_ok=True)
+    if cfg.loss.distance == "kl" and mem.logits_chunk and cfg.data.seq_len % mem.logits_chunk:
+        raise ConfigError("memory.logits_chunk", mem.logits_chunk,
+                          f"must divide data.seq_len={cfg.data.seq_len} (0: whole)")
     g = cfg.gate
     _choice("gate.fit", g.fit, FIT_MODES)
     if g.fit == "mesh":

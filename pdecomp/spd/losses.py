@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,12 +74,17 @@ def mse(out: Array, target: Array) -> Float[Array, ""]:
     return jnp.mean((out.astype(jnp.float32) - target.astype(jnp.float32)) ** 2)
 
 
-def kl(logits: Float[Array, "*pos V"], target_logprobs: Float[Array, "*pos V"]
-       ) -> Float[Array, ""]:
+def kl(logits: Float[Array, "*pos V"], target_logprobs: Float[Array, "*pos V"] | Logits,
+       chunk: int = 0) -> Float[Array, ""]:
     """KL(softmax(clean) ‖ softmax(logits)) summed over the vocab, mean over positions, fp32.
 
     Takes the clean forward's log-probs (see `recon_target`), computed once per step rather
-    than once per recon forward: one [*pos, V] fp32 tensor held for the step."""
+    than once per recon forward: one [*pos, V] fp32 tensor held for the step; or, as
+    `Logits`, none: then the logits enter in their own dtype, kept so for the backward,
+    which takes their softmax again, `chunk` positions at a time (0: all)."""
+    if isinstance(target_logprobs, Logits):
+        chunk = chunk or logits.shape[-2]
+        return _kl_chunked(logits, jax.lax.stop_gradient(target_logprobs), chunk)
     return _kl(logits.astype(jnp.float32), target_logprobs)
 
 
@@ -114,29 +120,120 @@ def _kl_bwd(res: tuple[Array, Array | None], g: Any) -> tuple[Array | None, Arra
 _kl.defvjp(_kl_fwd, _kl_bwd, symbolic_zeros=True)
 
 
-def recon_target(distance: str, clean: Array) -> Array:
+# KL and CE over chunks of the positions (`memory.logits_chunk`): every float32 [*pos, V]
+# temporary is one chunk's. Chunks of the sequence axis, not of the vocabulary: a mesh
+# splits the batch over its data axis and the vocabulary over its model axis, never the
+# sequence, so a chunk is a slice each device holds whole (no gather).
+def _rows(x: Array, i: Array, chunk: int) -> Array:
+    return jax.lax.dynamic_slice_in_dim(x, i * chunk, chunk, axis=x.ndim - 2)
+
+
+def log_normaliser(logits: Float[Array, "*pos V"], chunk: int = 0) -> Float[Array, "*pos 1"]:
+    """logsumexp over the vocabulary in float32, `chunk` positions of the sequence (the
+    axis before the vocabulary) at a time (0: whole)."""
+    n = logits.shape[-2] // chunk if chunk else 1
+    if n <= 1:
+        return _lse(logits)
+
+    def body(i, out):
+        return jax.lax.dynamic_update_slice_in_dim(out, _lse(_rows(logits, i, chunk)),
+                                                   i * chunk, axis=logits.ndim - 2)
+
+    return jax.lax.fori_loop(0, n, body, jnp.zeros((*logits.shape[:-1], 1), jnp.float32))
+
+
+def _kl_rows(x: Array, lse_x: Array, target: Logits, i: Array, chunk: int
+             ) -> tuple[Array, Array, Array]:
+    """One chunk's float32 logits, log-probs of the target, and probabilities of both."""
+    xs = _rows(x, i, chunk).astype(jnp.float32)
+    lt = _rows(target.logits, i, chunk).astype(jnp.float32) - _rows(target.lse, i, chunk)
+    return xs, lt, jnp.exp(xs - _rows(lse_x, i, chunk))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _kl_chunked(x: Array, target: Logits, chunk: int) -> Array:
+    return _kl_chunked_fwd(x, target, chunk)[0]
+
+
+def _kl_chunked_fwd(x: Array, target: Logits, chunk: int) -> tuple[Array, tuple]:
+    lse_x = log_normaliser(x, chunk)
+
+    def body(i, total):
+        xs, lt, _ = _kl_rows(x, lse_x, target, i, chunk)
+        return total + jnp.sum(jnp.exp(lt) * (lt - xs + _rows(lse_x, i, chunk)))
+
+    total = jax.lax.fori_loop(0, x.shape[-2] // chunk, body, jnp.zeros((), jnp.float32))
+    return total / math.prod(x.shape[:-1]), (x, lse_x, target)
+
+
+def _kl_chunked_bwd(chunk: int, res: tuple, g: Array) -> tuple[Array, None]:
+    # softmax(x) − p, a chunk at a time into the logits' cotangent (their dtype: what the
+    # head's backward takes); the target is a constant of every caller.
+    x, lse_x, target = res
+    n = math.prod(x.shape[:-1])
+
+    def body(i, dx):
+        _, lt, q = _kl_rows(x, lse_x, target, i, chunk)
+        return jax.lax.dynamic_update_slice_in_dim(
+            dx, (g * (q - jnp.exp(lt)) / n).astype(x.dtype), i * chunk, axis=x.ndim - 2)
+
+    dx = jax.lax.fori_loop(0, x.shape[-2] // chunk, body, jnp.zeros_like(x))
+    return dx, None
+
+
+_kl_chunked.defvjp(_kl_chunked_fwd, _kl_chunked_bwd)
+
+
+class Logits(NamedTuple):
+    """Log-probs kept as the logits they are taken from, in the logits' dtype, with their
+    float32 log-normaliser (`memory.logits_chunk`): each use takes the float32 log-probs a
+    chunk of positions at a time, so no [*pos, V] float32 tensor is held (an 8B's two
+    largest buffers were its recon target's, 4.2 GB each at 16 x 512 tokens)."""
+
+    logits: Array  # [*pos, V]
+    lse: Array  # [*pos, 1], float32
+
+
+def recon_target(distance: str, clean: Array, chunk: int = 0) -> Array | Logits:
     """What each recon forward's output is compared with: the clean output (mse) or its
-    fp32 log-probs (kl)."""
+    fp32 log-probs (kl), whole, or as `Logits` when taken `chunk` positions at a time."""
     if distance != "kl":
         return clean
     # The logits whole before their log-softmax: XLA:CPU fused the row maximum into the
     # head's matmul, which then ran at 190 GFLOP/s against the masked head's 240 (the
     # SmolLM2 step 1.6-3.1% faster without it: back-to-back pairs in bench/RESULTS.md).
     clean = jax.lax.optimization_barrier(clean)
+    if chunk:
+        return Logits(clean, log_normaliser(clean, chunk))
     return jax.nn.log_softmax(clean.astype(jnp.float32), axis=-1)
 
 
-def cross_entropy(logits: Float[Array, "b t V"], tokens: Array) -> Float[Array, ""]:
-    """Next-token CE (nats), mean over the positions that have a next token, fp32."""
-    return next_token_nll(jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1),
-                          tokens)
+def cross_entropy(logits: Float[Array, "b t V"], tokens: Array, chunk: int = 0
+                  ) -> Float[Array, ""]:
+    """Next-token CE (nats), mean over the positions that have a next token, fp32, from
+    the log-normaliser (`chunk` positions at a time) and the next tokens' logits."""
+    lse = log_normaliser(logits, chunk)[:, :-1]
+    return next_token_nll(Logits(logits[:, :-1], lse), tokens)
 
 
-def next_token_nll(logprobs: Float[Array, "b s V"], tokens: Int[Array, "b t"]
+def _lse(logits: Array) -> Array:
+    return jax.nn.logsumexp(logits.astype(jnp.float32), -1, keepdims=True)
+
+
+def next_token_nll(logprobs: Float[Array, "b s V"] | Logits, tokens: Int[Array, "b t"]
                    ) -> Float[Array, ""]:
-    """`cross_entropy` from log-probs already taken: those of the positions that have a next
-    token (a KL target's, sliced `[:, :-1]`)."""
-    return -jnp.mean(jnp.take_along_axis(logprobs, tokens[:, 1:, None], axis=-1))
+    """`cross_entropy` from log-probs already taken, whole or as `Logits`: those of the
+    positions that have a next token (a KL target's, sliced `[:, :-1]`)."""
+    nxt = tokens[:, 1:, None]
+    if isinstance(logprobs, Logits):
+        picked = jnp.take_along_axis(logprobs.logits, nxt, axis=-1).astype(jnp.float32)
+        return -jnp.mean(picked - logprobs.lse)
+    return -jnp.mean(jnp.take_along_axis(logprobs, nxt, axis=-1))
 
 
 DISTANCES = {"mse": mse, "kl": kl}
+
+
+def distance(name: str, chunk: int = 0) -> Callable[[Array, Any], Array]:
+    """The output distance `name` (one of DISTANCES), a KL taken `chunk` positions at a time."""
+    return partial(kl, chunk=chunk) if name == "kl" else DISTANCES[name]

@@ -114,8 +114,8 @@ def pgd_trajectory(distance: Callable[[dict[str, SiteMask]], Array],
 
 
 def lm_pgd_curve(target, components: Components, ci_fn, batches: Sequence[Array], key: Array,
-                 delta: bool, dtype, pgd: EvalPGDConfig, marks: Sequence[int]
-                 ) -> dict[int, float]:
+                 delta: bool, dtype, pgd: EvalPGDConfig, marks: Sequence[int],
+                 chunk: int = 0) -> dict[int, float]:
     """KL to the target of the forward masked by a fresh adversary after each of `marks`
     ascents (`pgd_trajectory`), mean over the batches: how fast an adversary that starts
     from nothing breaks the decomposition, as VPD reports it."""
@@ -126,12 +126,13 @@ def lm_pgd_curve(target, components: Components, ci_fn, batches: Sequence[Array]
         prefix, suffix = target.split(sites, MemoryPolicy(compute_dtype=dtype))
         resid = prefix(tokens)
         record = Recorded()
-        clean_lp = losses.recon_target("kl", suffix(resid, recording_linear(record, sites)))
+        clean_lp = losses.recon_target("kl", suffix(resid, recording_linear(record, sites)),
+                                       chunk)
         lower = {s: ci_lower(v) for s, v in ci_fn({s: record[s] for s in sites},
                                                   components).items()}
 
         def kl(m):
-            return losses.kl(suffix(resid, masked_linear(components, m)), clean_lp)
+            return losses.kl(suffix(resid, masked_linear(components, m)), clean_lp, chunk)
 
         return jnp.stack([kl(m) for m in pgd_trajectory(kl, lower, key, delta, pgd, marks)])
 
@@ -163,7 +164,7 @@ def lm_mask_metrics(one: Callable, target, components: Components, ci_fn,
 
 
 def mask_metrics_program(sites: tuple[str, ...], threshold: float, delta: bool, dtype,
-                         pgd: EvalPGDConfig) -> Callable:
+                         pgd: EvalPGDConfig, chunk: int = 0) -> Callable:
     """The jitted program of `lm_mask_metrics` for one batch: (target, components, ci_fn,
     tokens, key) -> {"ce/<kind>", "kl/<kind>": scalar}."""
 
@@ -175,9 +176,10 @@ def mask_metrics_program(sites: tuple[str, ...], threshold: float, delta: bool, 
         clean = suffix(resid, recording_linear(record, sites))
         logits = ci_fn({s: record[s] for s in sites}, components)
         lower = {s: ci_lower(v) for s, v in logits.items()}
-        clean_lp = losses.recon_target("kl", clean)
+        clean_lp = losses.recon_target("kl", clean, chunk)
         # The target's CE from the KL's log-probs: one log-softmax over the vocabulary, not two
-        out = {"ce/target": losses.next_token_nll(clean_lp[:, :-1], tokens)}
+        out = {"ce/target": losses.next_token_nll(
+            jax.tree.map(lambda a: a[:, :-1], clean_lp), tokens)}
         # One masked forward at a time (lax.map over the kinds' stacked masks): unrolled,
         # XLA keeps every kind's vocabulary-sized logits alive at once, several times the
         # training step's peak at LM sizes.
@@ -187,17 +189,19 @@ def mask_metrics_program(sites: tuple[str, ...], threshold: float, delta: bool, 
 
         def ce_kl(masks):
             masked = suffix(resid, masked_linear(components, masks))
-            return losses.cross_entropy(masked, tokens), losses.kl(masked, clean_lp)
+            return (losses.cross_entropy(masked, tokens, chunk),
+                    losses.kl(masked, clean_lp, chunk))
 
         ce, kl = jax.lax.map(ce_kl, stacked)
         for i, kind in enumerate(MASK_KINDS):
             out[f"ce/{kind}"], out[f"kl/{kind}"] = ce[i], kl[i]
         if pgd.n_steps:
             masked = suffix(resid, masked_linear(components, fresh_pgd_masks(
-                lambda m: losses.kl(suffix(resid, masked_linear(components, m)), clean_lp),
+                lambda m: losses.kl(suffix(resid, masked_linear(components, m)), clean_lp,
+                                    chunk),
                 lower, jax.random.fold_in(key, len(MASK_KINDS)), delta, pgd)))
-            out["ce/pgd"] = losses.cross_entropy(masked, tokens)
-            out["kl/pgd"] = losses.kl(masked, clean_lp)
+            out["ce/pgd"] = losses.cross_entropy(masked, tokens, chunk)
+            out["kl/pgd"] = losses.kl(masked, clean_lp, chunk)
         return out
 
     return one

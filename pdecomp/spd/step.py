@@ -273,7 +273,7 @@ class Observed(NamedTuple):
     resid: Array  # the residual entering the first site layer (LMs) or the input (toys)
     inputs: dict[str, Array]  # the site inputs, stacked by group ([n, *pos, d_in])
     streams: Recorded  # LMs: the residual entering each site layer
-    recon_target: Array
+    recon_target: Array | losses.Logits
 
 
 @dataclass(frozen=True)
@@ -310,7 +310,7 @@ class StepPlan:
         else:
             to_device = to_host = lambda tree: tree
         return StepPlan(
-            spec, opts.components, opts.ci_fn, losses.DISTANCES[spec.method.distance],
+            spec, opts.components, opts.ci_fn, losses.distance(spec.method.distance, spec.memory.logits_chunk),
             spec.memory.dtype, spec.memory.recon_policy,
             pgd_lr(spec.method.pgd, spec.total_steps) if spec.method.pgd else None,
             dict(spec.sites.tied), pin,
@@ -458,7 +458,8 @@ class Pass:
         inputs = {g: recorded.stack(self.layout.of_group(g)) for g in self.every}
         return jax.lax.stop_gradient(Observed(
             resid, inputs, streams,
-            losses.recon_target(self.spec.method.distance, clean)))
+            losses.recon_target(self.spec.method.distance, clean,
+                                self.spec.memory.logits_chunk)))
 
     def microbatch(self, x: Array, m: Array | int, axis: int = 0) -> Array:
         """Microbatch m holds examples m, m + n, m + 2n, ...: every device keeps its rows
