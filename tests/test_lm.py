@@ -482,6 +482,19 @@ def _dot_operands(fn, *args) -> list[tuple[str, ...]]:
     return out
 
 
+def test_a_step_with_the_logits_in_chunks_takes_the_same_update(setup, step):
+    """memory.logits_chunk=2 (4 chunks of the 8 positions): every loss, and the updated
+    components, equal the step's with the vocabulary's log-probs whole, within float32
+    rounding."""
+    cfg, target, state = setup
+    chunked = jax.jit(make_train_step(resolve(tiny_cfg(logits_chunk=2)).step))
+    (ref_state, ref), (got_state, got) = (f(state, target, tokens(cfg)) for f in (step, chunked))
+    for k in ("loss/total", "loss/recon_chunkwise", "loss/pgd", "loss/faithfulness"):
+        assert float(got[k]) == pytest.approx(float(ref[k]), rel=1e-5), k
+    for a, b in zip(jax.tree.leaves(got_state.components), jax.tree.leaves(ref_state.components)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_matmul_dtype_runs_the_forwards_matmuls_in_it(setup, step):
     """memory.matmul_dtype=bfloat16 on a float32 step: the target's and the components'
     matmuls take bfloat16 operands (float32 products), faithfulness and the CI function
