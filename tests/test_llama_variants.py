@@ -20,6 +20,7 @@ from pdecomp.plan.resolve import resolve
 from pdecomp.plan.validation import validate
 from pdecomp.spd.components import frozen_linear
 from pdecomp.spd.step import init_state, make_train_step
+from pdecomp.targets import documents
 from pdecomp.targets.hf_checkpoint import CheckpointError, load_config, load_hf
 
 VARIANTS = ["llama_bias", "qwen2_bias", "mistral_window", "qwen2_window", "qwen3_qknorm"]
@@ -40,6 +41,27 @@ def test_logits_match_transformers(name):
     for hooked in ((0,), (1,), (0, 1)):
         logits = np.asarray(model(x, frozen_linear, hooked=hooked))
         assert _rel_err(logits, ref) <= 1e-5, hooked
+
+
+@pytest.mark.parametrize("name", ["gqa_llama3", "qwen3_qknorm"])
+def test_documents_packed_in_a_window_give_the_logits_each_gives_alone(name):
+    """Three documents in one window (the first one's start cut off by the window's),
+    flagged where the second and third start: each position's logits are those of its
+    document run alone (attention within it, RoPE counted from its start), whole and with
+    a site layer hooked; the same window unflagged is one document."""
+    model = load_hf(FIXTURES / name)
+    x = np.load(FIXTURES / name / "tokens.npy")[:1]
+    a, b, c = x[:, :4], x[:, 4:9], x[:, 9:]
+    starts = np.zeros(x.shape, bool)
+    starts[:, [4, 9]] = True
+    packed = documents.mark(x, starts)
+    alone = np.concatenate([np.asarray(model(d)) for d in (a, b, c)], axis=1)
+    prefix, suffix = model.split(("layers.1.mlp.up_proj",))
+    for got in (model(packed), model(packed, frozen_linear, hooked=(0,)),
+                suffix(prefix(packed))):
+        assert _rel_err(np.asarray(got), alone) <= 1e-5
+    assert _rel_err(np.asarray(model(x)), np.load(FIXTURES / name / "logits.npy")[:1]) <= 1e-5
+    assert _rel_err(np.asarray(model(x)), alone) > 1e-2  # the flags matter
 
 
 @pytest.mark.jax_versions  # the loader's variants

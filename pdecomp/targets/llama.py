@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -45,6 +45,7 @@ from pdecomp.spd.components import (
     frozen_linear,
     take,
 )
+from pdecomp.targets import documents
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,24 @@ def _follows(linear: LinearFn, i: int, j: int) -> bool:
                for k in [linear.where[site_name(i, n)][1]])
 
 
+class Context(NamedTuple):
+    """Where each position of a batch sits, for the attention: RoPE's tables over the
+    window, each token's position in its document and its document's index there."""
+
+    cos: Array  # [t, 1, d_head]
+    sin: Array
+    position: Array  # int32 [b, t]
+    segment: Array  # int32 [b, t]
+
+
+class Resid(NamedTuple):
+    """The residual stream entering the first site layer, and the batch's document flags
+    (`documents.START` bits), which the attention of every later layer reads."""
+
+    h: Array  # [b, t, d]
+    flags: Array  # int32 [b, t]
+
+
 class Llama(eqx.Module):
     """Weights stacked over layers: `attn[name]` is [L, d_in, d_out] for each of ATTN, etc."""
 
@@ -153,16 +172,19 @@ class Llama(eqx.Module):
             w["q_norm"], w["k_norm"] = self.q_norm[i], self.k_norm[i]
         return w
 
-    def rope(self, t: int) -> tuple[Array, Array]:
-        cfg = self.cfg
-        return rope_tables(rope_inv_freq(cfg.d_head, cfg.rope_theta, cfg.rope_scaling), t)
+    def context(self, flags: Int[Array, "b t"]) -> Context:
+        """The attention's context of a batch whose document flags are `flags`."""
+        cfg, t = self.cfg, flags.shape[-1]
+        cos, sin = rope_tables(rope_inv_freq(cfg.d_head, cfg.rope_theta, cfg.rope_scaling), t)
+        return Context(cos, sin, *documents.segments(flags))
 
-    def block(self, h: Float[Array, "b t d"], w: dict[str, Any], rope: tuple[Array, Array],
+    def block(self, h: Float[Array, "b t d"], w: dict[str, Any], ctx: Context,
               linear: Callable[[str, Array, Array], Array], operand: Any = None) -> Array:
         """One decoder layer; `linear(name, x, W)` with name one of ATTN + MLP. A bias is
         not decomposed: it is added to what the (decomposed or frozen) weight computes.
         `operand`: the attention's matmuls' operand dtype (`components.dot`)."""
-        cfg, (cos, sin) = self.cfg, rope
+        cfg = self.cfg
+        cos, sin = ctx.cos[ctx.position], ctx.sin[ctx.position]  # each position's, [b, t, 1, d]
         b, t, _ = h.shape
         n_h, n_kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.d_head
 
@@ -185,7 +207,8 @@ class Llama(eqx.Module):
         if "window" in w:  # a query sees its `window` latest keys, itself included
             pos = jnp.arange(t)
             causal &= (w["window"] == 0) | (pos[:, None] - pos[None, :] < w["window"])
-        scores = jnp.where(causal, scores.astype(jnp.float32), -jnp.inf)
+        seen = causal & documents.same_document(ctx.segment)
+        scores = jnp.where(seen, scores.astype(jnp.float32), -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         ctx = einsum("bgrqk,bkgd->bqgrd", probs, v, operand).reshape(b, t, n_h * d)
         h = h + attn_proj("o_proj", ctx)
@@ -196,11 +219,11 @@ class Llama(eqx.Module):
         return checkpoint_name(h + linear("down_proj", gated, w["down_proj"]), "layer_out")
 
     def embed_tokens(self, tokens: Int[Array, "b t"]) -> Array:
-        return self.embed[tokens]
+        return self.embed[documents.ids(tokens)]
 
     def run_layers(self, h: Array, start: int, stop: int, linear: LinearFn = frozen_linear,
                    hooked: Sequence[int] = (), streams: Recorded | None = None,
-                   memory: MemoryPolicy = PLAIN) -> Array:
+                   memory: MemoryPolicy = PLAIN, flags: Array | None = None) -> Array:
         """Layers [start, stop): runs of the layers not in `hooked` under one scan each
         (compile time flat in depth), and so runs of hooked layers whose sites read alike
         when `linear` is a `SiteLinear`; other hooked layers unrolled with named sites.
@@ -209,8 +232,10 @@ class Llama(eqx.Module):
         from its input instead of keeping every layer's activations (attention scores
         included) at once; a run of site layers keeps what `memory.site_layer_saves` names.
         `memory.matmul_dtype`: the frozen layers' matmuls' operand dtype (a `SiteLinear`
-        carries the site layers')."""
-        rope, operand = self.rope(h.shape[1]), memory.matmul_dtype
+        carries the site layers'). `flags`: the batch's document flags (None: one document
+        a window)."""
+        flags = jnp.zeros(h.shape[:2], jnp.int32) if flags is None else flags
+        rope, operand = self.context(flags), memory.matmul_dtype
         i = start
         while i < stop:
             j = i + 1
@@ -240,7 +265,7 @@ class Llama(eqx.Module):
             i = j
         return h
 
-    def _hooked(self, h: Array, i: int, linear: LinearFn, rope: tuple[Array, Array],
+    def _hooked(self, h: Array, i: int, linear: LinearFn, rope: Context,
                 streams: Recorded | None, operand: Any) -> Array:
         """Layer i with its sites named `layers.i.<part>.<name>`."""
         if streams is not None:
@@ -249,7 +274,7 @@ class Llama(eqx.Module):
                           operand)
 
     def _scan_sites(self, h: Array, i: int, j: int, linear: SiteLinear,
-                    rope: tuple[Array, Array], streams: Recorded | None,
+                    rope: Context, streams: Recorded | None,
                     memory: MemoryPolicy) -> Array:
         """Hooked layers [i, j), whose sites are successive members of their groups, under
         one scan: one traced layer however many there are. Each kind's data is its group's,
@@ -297,8 +322,9 @@ class Llama(eqx.Module):
         """(prefix, suffix) around the first layer that holds a site.
 
         The prefix (embedding and the layers before it) runs once per batch outside every
-        gradient graph. `suffix(h, linear, streams=None, live=None)` runs the rest with the
-        site layers hooked and returns the logits; the clean forward passes `streams` to
+        gradient graph and gives the residual stream entering that layer with the batch's
+        document flags (a `Resid`). `suffix(resid, linear, streams=None, live=None)` runs
+        the rest with the site layers hooked and returns the logits; the clean forward passes `streams` to
         collect the residual entering each site layer. A forward whose live sites are
         `live` starts from the clean stream at its first live layer (the layers before it
         are all frozen, so the result is the same) and hooks only the live layers: a
@@ -313,22 +339,24 @@ class Llama(eqx.Module):
         op = memory.matmul_dtype
         outside_grads = replace(memory, remat_layers=False)  # the prefix has no backward
 
-        def prefix(tokens: Array) -> Array:
-            return self.run_layers(self.embed_tokens(tokens).astype(memory.dtype), 0, start,
-                                   memory=outside_grads)
+        def prefix(tokens: Array) -> Resid:
+            flags = tokens & documents.START
+            return Resid(self.run_layers(self.embed_tokens(tokens).astype(memory.dtype), 0,
+                                         start, memory=outside_grads, flags=flags), flags)
 
-        def suffix(h: Array, linear: LinearFn = frozen_linear,
+        def suffix(resid: Resid, linear: LinearFn = frozen_linear,
                    streams: Recorded | None = None,
                    live: Sequence[str] | None = None) -> Array:
             if isinstance(linear, SiteLinear):
                 linear = replace(linear, operand=op)
             if live is None or not streams:
-                return self.logits(self.run_layers(h, start, self.n_layers, linear, hooked,
-                                                   streams, memory), op)
+                return self.logits(self.run_layers(resid.h, start, self.n_layers, linear,
+                                                   hooked, streams, memory, resid.flags), op)
             live_layers = sorted({site_layer(s) for s in live})
             first = live_layers[0]
             return self.logits(self.run_layers(streams[first], first, self.n_layers, linear,
-                                               live_layers, memory=memory), op)
+                                               live_layers, memory=memory,
+                                               flags=resid.flags), op)
 
         return prefix, suffix
 
@@ -362,7 +390,8 @@ class Llama(eqx.Module):
 
     def __call__(self, tokens: Int[Array, "b t"], linear: LinearFn = frozen_linear,
                  hooked: Sequence[int] = ()) -> Array:
-        h = self.run_layers(self.embed_tokens(tokens), 0, self.n_layers, linear, hooked)
+        h = self.run_layers(self.embed_tokens(tokens), 0, self.n_layers, linear, hooked,
+                            flags=tokens & documents.START)
         return self.logits(h)
 
 
