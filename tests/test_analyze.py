@@ -521,7 +521,8 @@ def test_a_value_write_reaches_the_residual_as_the_block_carries_it() -> None:
         def linear(name, x, W, c=c):
             return jnp.broadcast_to(U[c], (*x.shape[:2], U.shape[1])) if name == "v_proj" \
                 else x @ W
-        out = model.block(jnp.zeros((1, 1, cfg.hidden_size)), w, model.rope(1), linear)
+        out = model.block(jnp.zeros((1, 1, cfg.hidden_size)), w,
+                          model.context(jnp.zeros((1, 1), jnp.int32)), linear)
         np.testing.assert_allclose(
             out[0, 0], model.residual_write("layers.0.self_attn.v_proj", U)[c], rtol=1e-5,
             atol=1e-6)

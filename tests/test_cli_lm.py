@@ -6,8 +6,11 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import load_json, ok, pdecomp
+
+from pdecomp.targets.data import write_tokens
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llama"
 QUIET = ["logging.wandb.mode=disabled", "logging.progress=false"]
@@ -58,17 +61,27 @@ def test_llama_tiny_chunkwise_pgd_kl_and_l0_fall(tmp_path: Path, env: dict[str, 
 def test_run_from_a_hugging_face_directory(tmp_path: Path, env: dict[str, str]) -> None:
     """model.path: the architecture comes from config.json, the weights from safetensors.
     Given relative to where the run started, it is recorded resolved (run.json): the run is
-    analysed and resumed from another directory."""
+    analysed and resumed from another directory. Its token file records its documents'
+    starts: the run reads them (attention within each document), and its gate is that of the
+    same file read as one stream within 1%."""
     started, elsewhere = tmp_path / "started", tmp_path / "elsewhere"
     shutil.copytree(FIXTURES / "gqa_llama3", started / "models" / "gqa")
     elsewhere.mkdir()
     run_dir = started / "run"
+    rng = np.random.default_rng(0)
+    write_tokens(started / "docs.bin", rng.integers(0, 128, 3000), "uint16",
+                 np.concatenate([[0], np.sort(rng.choice(np.arange(1, 3000), 300, False))]))
     sites = "[layers.1.mlp.gate_proj,layers.1.mlp.up_proj,layers.1.mlp.down_proj]"
-    proc = ok(pdecomp(["+experiment=llama_tiny_chunkwise", "model.path=models/gqa",
-                       f"layers.sites={sites}",
-                       "optim.steps=20", "optim.faith_warmup_steps=10", "data.seq_len=16",
-                       "logging.log_every=10", "memory.remat=full", "loss.eval_pgd.n_steps=0",
-                       *QUIET, "hydra.run.dir=run"], started, env, timeout=900))
+    args = ["+experiment=llama_tiny_chunkwise", "model.path=models/gqa", f"layers.sites={sites}",
+            "optim.steps=20", "optim.faith_warmup_steps=10", "data=tokens",
+            "data.path=docs.bin", "data.token_dtype=uint16", "data.eval_frac=0.1",
+            "data.seq_len=16",
+            "logging.log_every=10", "memory.remat=full", "loss.eval_pgd.n_steps=0", *QUIET]
+    proc = ok(pdecomp([*args, "hydra.run.dir=run"], started, env, timeout=900))
+    ok(pdecomp([*args, "data.documents=false", "gate.only=true", "hydra.run.dir=plain"],
+               started, env, timeout=900))
+    peaks = [load_json(started / d / "gate.json")["peak_bytes"] for d in ("run", "plain")]
+    assert abs(peaks[0] - peaks[1]) <= 0.01 * peaks[1], peaks
     assert load_json(run_dir / "run.json")["config"]["model"]["path"] == str(
         started / "models" / "gqa")
     ok(pdecomp(["analyze", str(run_dir), "--windows", "4"], elsewhere, env, timeout=600))

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pdecomp.core import documents
 from pdecomp.core.config import ConfigError
 from pdecomp.targets import data
 from pdecomp.targets.data import ChunkedTokens, TokenSpec, TokenStream, open_tokens, window_starts
@@ -187,6 +188,36 @@ def test_held_out_tail_is_never_trained_on(tmp_path):
     with pytest.raises(ConfigError, match="data.eval_frac") as e:
         open_tokens(spec("tokens", path)).split(0.01, eval_seed=99)  # 10 tokens < SEQ + 1
     assert "held-out part (10)" in str(e.value)
+
+
+def test_document_starts_flag_windows_and_hold_out_by_document(tmp_path):
+    """A file with its documents' starts: each window is flagged where a document starts
+    inside it (not at its own first position), ids unchanged under the flags; the held-out
+    part begins at a document; data.documents=false and a file without starts read it as
+    one stream; starts that are not ascending offsets from 0 are refused in one line."""
+    path = tmp_path / "t.bin"
+    flat = np.arange(1000) % 700  # ids that say where they were read
+    doc_starts = np.array([0, 5, 37, 38, 400, 893, 950])
+    data.write_tokens(path, flat, "uint16", doc_starts)
+    stream = open_tokens(spec("tokens", path))
+    rows = stream.rows(2, BATCH)
+    starts = window_starts(3, 2, BATCH, 1000, SEQ)
+    for row, s in zip(rows, starts, strict=True):
+        np.testing.assert_array_equal(documents.ids(row), flat[s:s + SEQ])
+        inside = [d - s for d in doc_starts if s < d < s + SEQ]
+        assert np.flatnonzero(row & documents.START).tolist() == inside
+    train, held = stream.split(0.1, eval_seed=99)  # the cut at 900 moves to 950
+    assert (train.n_tokens, held.n_tokens) == (950, 50)
+    assert train.doc_starts.tolist() == [0, 5, 37, 38, 400, 893]
+    assert held.doc_starts.tolist() == [0]
+    plain = open_tokens(spec("tokens", path, documents=False))
+    assert plain.doc_starts is None
+    np.testing.assert_array_equal(plain.rows(2, BATCH), documents.ids(rows))
+    (tmp_path / "old.bin").write_bytes(path.read_bytes())  # no sidecar: an older file
+    assert open_tokens(spec("tokens", tmp_path / "old.bin")).doc_starts is None
+    np.array([0, 37, 5], "<u8").tofile(data.starts_of(path))
+    with pytest.raises(ConfigError, match="not ascending offsets from 0 below its 1000 ids"):
+        open_tokens(spec("tokens", path))
 
 
 def test_batch_with_out_of_range_id_raises(tmp_path):

@@ -277,9 +277,12 @@ def test_tokenize_writes_documents_with_eos_that_the_token_reader_takes(tmp_path
     assert ids.tolist() == want
     side = json.loads(data.sidecar_of(out).read_text())
     assert side["dtype"] == "uint16" and side["count"] == len(want)
+    assert side["document_starts"] == "tokens.bin.starts" and side["documents"] == 2
+    second = len(tok.encode("the band and the\n\nin them").ids) + 1
+    assert np.fromfile(data.starts_of(out), "<u8").tolist() == [0, second]
     stream = data.open_tokens(data.TokenSpec(source="tokens", path=str(out), token_dtype="uint16",
                                              column="", seq_len=4, vocab_size=128, seed=0))
-    assert stream.n_tokens == len(want)
+    assert stream.n_tokens == len(want) and stream.doc_starts.tolist() == [0, second]
     assert f"{len(want)} tokens (uint16) from 2 documents" in capsys.readouterr().err
     # paragraphs as documents, shuffled with a seed: the same multiset, reproducibly
     outs = []
@@ -424,7 +427,7 @@ def test_llama3_scaling_is_recovered_from_llama_cpps_divisors(factor, low, high,
 def test_tokenize_refuses_ids_its_dtype_cannot_hold_and_leaves_nothing(tmp_path):
     """A tokenizer whose added ids lie beyond config.json's vocab_size (uint16 chosen for
     it): the id is refused, not wrapped, and no partial file stays behind."""
-    batches = [(1, np.array([5, 6, 1])), (1, np.array([70_000, 1]))]
+    batches = [([3], np.array([5, 6, 1])), ([2], np.array([70_000, 1]))]
     with pytest.raises(text.TokenizeError, match=r"ids in \[1, 70000\] do not fit uint16"):
         text.write(tmp_path / "t.bin", batches, vocab=1_000, record={})
     assert list(tmp_path.iterdir()) == []

@@ -14,13 +14,13 @@ import pytest
 from test_llama import FIXTURES, _rel_err, _variant
 from test_lm import tiny_cfg, tokens
 
+from pdecomp.core import documents
 from pdecomp.core.config import ConfigError
 from pdecomp.kinds import cache as targets
 from pdecomp.plan.resolve import resolve
 from pdecomp.plan.validation import validate
 from pdecomp.spd.components import frozen_linear
 from pdecomp.spd.step import init_state, make_train_step
-from pdecomp.targets import documents
 from pdecomp.targets.hf_checkpoint import CheckpointError, load_config, load_hf
 
 VARIANTS = ["llama_bias", "qwen2_bias", "mistral_window", "qwen2_window", "qwen3_qknorm"]

@@ -127,7 +127,7 @@ def test_residual_start_and_suffix_equal_the_whole_model(setup):
     np.testing.assert_allclose(suffix(prefix(x)), target(x), rtol=1e-5, atol=1e-5)
     # the prefix is layer 0 only: the first site lives in layer 1
     h0 = target.run_layers(target.embed_tokens(x), 0, 1)
-    np.testing.assert_allclose(prefix(x), h0, rtol=1e-6)
+    np.testing.assert_allclose(prefix(x).h, h0, rtol=1e-6)
     # sites in hooked layers see the clean forward's inputs: down sees silu(gate) * up
     rec = Recorded()
     suffix(prefix(x), recording_linear(rec, SITES))

@@ -31,7 +31,7 @@ from jaxtyping import Array
 from pdecomp.analysis import gate as analysis_gate
 from pdecomp.analysis import harvest, logit_effects
 from pdecomp.analysis import state as analysis_state
-from pdecomp.core import storage
+from pdecomp.core import documents, storage
 from pdecomp.core.config import EVAL_SEED_OFFSET
 from pdecomp.kinds import site_names_of
 from pdecomp.kinds import toy as toys
@@ -231,7 +231,7 @@ def component_stats(run: LoadedRun, o: harvest.Options, windows: int = 256,
             continue
         out, cofire = step(run.target, run.components, run.ci_fn, on_mesh(run, x),
                            jax.random.fold_in(key, i), cofire)
-        ids = np.asarray(x) if lm else None
+        ids = np.asarray(documents.ids(x)) if lm else None  # the windows' ids, flags cleared
         for s, h in state.sites.items():
             h.add(out[s], x.shape[0] * (x.shape[1] if lm else 1), ids)
         state.tokens += [ids] if lm else []

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
+from pdecomp.core import documents
 from pdecomp.spd import losses, metrics
 from pdecomp.spd.ci import ci_lower
 from pdecomp.spd.components import SiteMask, masked_linear
@@ -114,7 +115,7 @@ def masked_ce(f: metrics.SiteForward, components: Any, x: Array, masks: dict[str
     `masks` and the delta channel on (all masks 1: the target's own output)."""
     logits = f.suffix(f.resid, masked_linear(components, {
         s: SiteMask(m, jnp.ones(m.shape[:-1]), None) for s, m in masks.items()}))
-    return losses.cross_entropy(logits, x) * x.shape[0] * (x.shape[1] - 1)
+    return losses.cross_entropy(logits, documents.ids(x)) * x.shape[0] * (x.shape[1] - 1)
 
 
 def ablation_gradients(f: metrics.SiteForward, components: Any, x: Array

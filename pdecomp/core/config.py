@@ -304,6 +304,10 @@ class DataConfig:
     # tokens / hf_dataset: the stream's last eval_frac of tokens is held out; training never
     # reads it and the final evaluation reads only it (0: evaluate on the training stream)
     eval_frac: float = 0.01
+    # tokens: where the file records its documents' starts (`pdecomp tokenize` does), a
+    # window's positions attend only within their document and count RoPE from its start,
+    # and the held-out part begins at a document; false: the file as one stream
+    documents: bool = True
 
 
 @dataclass(frozen=True)

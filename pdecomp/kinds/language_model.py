@@ -89,7 +89,7 @@ def token_stream(model: ModelConfig, d: DataConfig, seed: int, held_out: bool = 
     """The training stream, or the held-out one the final evaluation reads (`scan`: every
     id checked, pdecomp.targets.data.open_tokens)."""
     spec = data.TokenSpec(d.source, d.path, d.token_dtype, d.column, d.seq_len,
-                          arch(model).vocab_size, seed)
+                          arch(model).vocab_size, seed, d.documents)
     return _open_tokens(spec, scan).split(d.eval_frac, seed + EVAL_SEED_OFFSET)[held_out]
 
 

@@ -13,6 +13,7 @@ import numpy as np
 from jax.sharding import Sharding
 from jaxtyping import Array
 
+from pdecomp.core import documents
 from pdecomp.core.config import EvalPGDConfig
 from pdecomp.core.memory import PLAIN, MemoryPolicy
 from pdecomp.spd import losses
@@ -177,9 +178,10 @@ def mask_metrics_program(sites: tuple[str, ...], threshold: float, delta: bool, 
         logits = ci_fn({s: record[s] for s in sites}, components)
         lower = {s: ci_lower(v) for s, v in logits.items()}
         clean_lp = losses.recon_target("kl", clean, chunk)
+        ids = documents.ids(tokens)
         # The target's CE from the KL's log-probs: one log-softmax over the vocabulary, not two
         out = {"ce/target": losses.next_token_nll(
-            jax.tree.map(lambda a: a[:, :-1], clean_lp), tokens)}
+            jax.tree.map(lambda a: a[:, :-1], clean_lp), ids)}
         # One masked forward at a time (lax.map over the kinds' stacked masks): unrolled,
         # XLA keeps every kind's vocabulary-sized logits alive at once, several times the
         # training step's peak at LM sizes.
@@ -189,7 +191,7 @@ def mask_metrics_program(sites: tuple[str, ...], threshold: float, delta: bool, 
 
         def ce_kl(masks):
             masked = suffix(resid, masked_linear(components, masks))
-            return (losses.cross_entropy(masked, tokens, chunk),
+            return (losses.cross_entropy(masked, ids, chunk),
                     losses.kl(masked, clean_lp, chunk))
 
         ce, kl = jax.lax.map(ce_kl, stacked)
@@ -200,7 +202,7 @@ def mask_metrics_program(sites: tuple[str, ...], threshold: float, delta: bool, 
                 lambda m: losses.kl(suffix(resid, masked_linear(components, m)), clean_lp,
                                     chunk),
                 lower, jax.random.fold_in(key, len(MASK_KINDS)), delta, pgd)))
-            out["ce/pgd"] = losses.cross_entropy(masked, tokens, chunk)
+            out["ce/pgd"] = losses.cross_entropy(masked, ids, chunk)
             out["kl/pgd"] = losses.kl(masked, clean_lp, chunk)
         return out
 

@@ -58,6 +58,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from pdecomp.core import documents
 from pdecomp.core.config import DATA_SOURCES, TOKEN_DTYPES, ConfigError
 
 TOKEN_SOURCES = tuple(s for s in DATA_SOURCES if s != "toy")
@@ -82,6 +83,7 @@ class TokenSpec:
     seq_len: int
     vocab_size: int  # the model's; every token id must be < this
     seed: int
+    documents: bool = True  # read the file's document starts, where it records them
 
 
 class ChunkedTokens:
@@ -128,6 +130,9 @@ class TokenStream:
 
     spec: TokenSpec
     tokens: np.ndarray | ChunkedTokens | None  # flat ids (memmap, chunks); None: synthetic
+    # where each document starts (ascending offsets into `tokens`, the first 0); None: the
+    # stream is one document, its windows unflagged
+    doc_starts: np.ndarray | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -140,16 +145,24 @@ class TokenStream:
         across seeds, so both halves are the whole language. Views: nothing is copied."""
         held_spec = dataclasses.replace(self.spec, seed=eval_seed)
         if self.tokens is None or eval_frac == 0:
-            return self, TokenStream(held_spec, self.tokens)
+            return self, TokenStream(held_spec, self.tokens, self.doc_starts)
         n, L = self.n_tokens, self.spec.seq_len
         cut = n - math.ceil(n * eval_frac)
+        if self.doc_starts is not None:  # held out by document: the cut at a start
+            at = int(np.searchsorted(self.doc_starts, cut))
+            cut = int(self.doc_starts[at]) if at < len(self.doc_starts) else cut
         if min(cut, n - cut) < L + 1:
             raise ConfigError("data.eval_frac", eval_frac,
                               f"{self.spec.path} holds {n} tokens; both its training part "
                               f"({cut}) and held-out part ({n - cut}) need seq_len + 1 = "
                               f"{L + 1} (0 evaluates on the training stream)")
-        return TokenStream(self.spec, self.tokens[:cut]), TokenStream(held_spec,
-                                                                       self.tokens[cut:])
+        if self.doc_starts is None:
+            return TokenStream(self.spec, self.tokens[:cut]), TokenStream(held_spec,
+                                                                           self.tokens[cut:])
+        at = int(np.searchsorted(self.doc_starts, cut))
+        held_starts = np.unique(np.concatenate([[0], self.doc_starts[at:] - cut]))
+        return (TokenStream(self.spec, self.tokens[:cut], self.doc_starts[:at]),
+                TokenStream(held_spec, self.tokens[cut:], held_starts.astype(np.int64)))
 
     def rows(self, step: int, batch_size: int, index: slice = slice(None)) -> np.ndarray:
         """int32 [rows in `index`, seq_len]: rows `index` of the global batch of `step`."""
@@ -180,7 +193,18 @@ class TokenStream:
                 raise ValueError(f"token id {hi if hi >= V else lo} in the batch of step "
                                  f"{step} is outside the model's vocab [0, {V}) (source "
                                  f"{self.spec.path})")
-        return windows.astype(np.int32)
+        windows = windows.astype(np.int32)
+        return windows if self.doc_starts is None else documents.mark(
+            windows, self.starts_in(starts, L))
+
+    def starts_in(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """bool [len(starts), length]: where a document starts inside each window (its
+        first position not counted: a window starts a segment anyway)."""
+        out = np.zeros((len(starts), length), bool)
+        for i, s in enumerate(starts):
+            lo, hi = np.searchsorted(self.doc_starts, [s + 1, s + length])
+            out[i, self.doc_starts[lo:hi] - s] = True
+        return out
 
 
 def window_starts(seed: int, step: int, batch_size: int, n_tokens: int, seq_len: int
@@ -209,13 +233,42 @@ def open_tokens(spec: TokenSpec, scan: bool = True) -> TokenStream:
     if n < spec.seq_len + 1:
         raise ConfigError("data.seq_len", spec.seq_len,
                           f"{spec.path} holds {n} tokens; needs at least seq_len + 1")
+    starts = _open_starts(spec, n) if spec.source == "tokens" and spec.documents else None
     if not scan:
-        return TokenStream(spec, tokens)
+        return TokenStream(spec, tokens, starts)
     ids = _scanned(spec, tokens)
     _check_ids(spec, tokens, ids)
     if spec.source == "tokens" and not sidecar_of(Path(spec.path)).is_file():
         _check_not_uint32(spec, n, ids)
-    return TokenStream(spec, tokens)
+    return TokenStream(spec, tokens, starts)
+
+
+def starts_of(path: Path) -> Path:
+    """`<file>.starts` beside a flat token file: where each document starts (little-endian
+    uint64 offsets, ascending, the first 0), named by its sidecar."""
+    return path.with_name(path.name + ".starts")
+
+
+def _open_starts(spec: TokenSpec, n: int) -> np.ndarray | None:
+    """The document starts a token file's sidecar names (None where it names none)."""
+    side = sidecar_of(Path(spec.path))
+    record = json.loads(side.read_text()) if side.is_file() else {}
+    if not record.get("document_starts"):
+        return None
+    f = Path(spec.path).with_name(record["document_starts"])
+    if not f.is_file() or f.stat().st_size % 8:
+        raise ConfigError("data.path", spec.path, f"its sidecar names document starts in "
+                          f"{f}, which is missing or not uint64 (data.documents=false reads "
+                          "the file as one stream)")
+    starts = np.fromfile(f, dtype="<u8").astype(np.int64)
+    if not len(starts) or starts[0] != 0 or np.any(np.diff(starts) <= 0) or starts[-1] >= n:
+        raise ConfigError("data.path", spec.path, f"its document starts {f} are not "
+                          f"ascending offsets from 0 below its {n} ids")
+    if spec.vocab_size > documents.MAX_VOCAB:
+        raise ConfigError("data.documents", True, f"a vocabulary of {spec.vocab_size} ids "
+                          f"leaves no room for the document flag (at most "
+                          f"{documents.MAX_VOCAB}); set data.documents=false")
+    return starts
 
 
 def sidecar_of(path: Path) -> Path:
@@ -223,13 +276,19 @@ def sidecar_of(path: Path) -> Path:
     return path.with_name(path.name + ".json")
 
 
-def write_tokens(path: str | Path, ids: np.ndarray | list[int], token_dtype: str) -> Path:
-    """Write a flat token file (`token_dtype`: one of TOKEN_DTYPES) and its sidecar. Ids
-    that the dtype cannot hold are refused rather than wrapped."""
+def write_tokens(path: str | Path, ids: np.ndarray | list[int], token_dtype: str,
+                 doc_starts: np.ndarray | list[int] | None = None) -> Path:
+    """Write a flat token file (`token_dtype`: one of TOKEN_DTYPES), its sidecar, and where
+    its documents start (`doc_starts`, offsets from 0) when given. Ids that the dtype cannot
+    hold are refused rather than wrapped."""
     path = Path(path)
     arr = as_token_dtype(ids, token_dtype)
     arr.tofile(path)
-    write_sidecar(path, token_dtype, int(arr.size))
+    record = None
+    if doc_starts is not None:
+        np.asarray(doc_starts, "<u8").tofile(starts_of(path))
+        record = {"documents": len(doc_starts), "document_starts": starts_of(path).name}
+    write_sidecar(path, token_dtype, int(arr.size), record)
     return path
 
 

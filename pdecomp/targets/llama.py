@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
+from pdecomp.core import documents
 from pdecomp.core.blocks import apply_rope, rms_norm, rope_inv_freq, rope_tables
 from pdecomp.core.config import LLAMA_ATTN as ATTN
 from pdecomp.core.config import LLAMA_MLP as MLP
@@ -45,7 +46,6 @@ from pdecomp.spd.components import (
     frozen_linear,
     take,
 )
-from pdecomp.targets import documents
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from pdecomp.targets import corpus
-from pdecomp.targets.data import as_token_dtype, sidecar_of, write_sidecar
+from pdecomp.targets.data import as_token_dtype, sidecar_of, starts_of, write_sidecar
 
 BATCH = 64  # documents encoded per call (the tokenizers package threads each call)
 TokenizeError = corpus.CorpusError
@@ -51,43 +51,50 @@ def model_tokenizer(model_dir: str | Path) -> tuple[object, int, int]:
     return tok, eos, vocab
 
 
-def encoded(tok: object, docs: Iterable[str], eos: int) -> Iterator[tuple[int, np.ndarray]]:
-    """Each batch of documents as (documents in it, their ids): every document as the
-    tokenizer's template encodes it, followed by `eos` unless it already ends with it."""
+def encoded(tok: object, docs: Iterable[str], eos: int
+            ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Each batch of documents as (each one's length, their ids back to back): every
+    document as the tokenizer's template encodes it, followed by `eos` unless it already
+    ends with it."""
     docs = iter(docs)
     while batch := list(itertools.islice(docs, BATCH)):
         pieces = []
         for e in tok.encode_batch(batch, add_special_tokens=True):
             ids = e.ids if e.ids[-1:] == [eos] else [*e.ids, eos]
             pieces.append(np.asarray(ids, np.int64))
-        yield len(batch), np.concatenate(pieces)
+        yield np.asarray([len(p) for p in pieces]), np.concatenate(pieces)
 
 
-def write(out: Path, batches: Iterable[tuple[int, np.ndarray]], vocab: int,
+def write(out: Path, batches: Iterable[tuple[np.ndarray, np.ndarray]], vocab: int,
           record: dict, progress: Callable[[int], None] | None = None) -> dict:
-    """The ids of `batches`, appended to `out` as they come, and the sidecar (`record`,
-    the dtype, the count and the documents), both renamed into place at the end; nothing
-    is left behind if it stops. The sidecar as written."""
+    """The ids of `batches` ((each document's length, their ids)), appended to `out` as
+    they come, where each document starts (`<out>.starts`, data.starts_of) and the sidecar
+    (`record`, the dtype, the count, the documents), all renamed into place at the end;
+    nothing is left behind if it stops. The sidecar as written."""
     dtype = "uint16" if vocab <= 2 ** 16 else "uint32"
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     n_docs = n_ids = 0
     try:
-        with tmp.open("wb") as f:
-            for k, ids in batches:
+        with tmp.open("wb") as f, starts_of(tmp).open("wb") as starts:
+            for lengths, ids in batches:
                 try:
                     as_token_dtype(ids, dtype).tofile(f)
                 except ValueError as e:  # the tokenizer's added ids beyond config.json's vocab
                     raise TokenizeError(f"-o {out}: {e} (vocab_size {vocab})") from None
-                n_docs, n_ids = n_docs + k, n_ids + len(ids)
+                at = n_ids + np.concatenate([[0], np.cumsum(lengths)[:-1]])
+                at.astype("<u8").tofile(starts)
+                n_docs, n_ids = n_docs + len(lengths), n_ids + len(ids)
                 if progress:
                     progress(n_docs)
         if not n_docs:
             raise TokenizeError("the inputs hold no text")
-        side = write_sidecar(tmp, dtype, n_ids, {**record, "documents": n_docs})
+        side = write_sidecar(tmp, dtype, n_ids, {**record, "documents": n_docs,
+                                                 "document_starts": starts_of(out).name})
+        os.replace(starts_of(tmp), starts_of(out))
         os.replace(sidecar_of(tmp), sidecar_of(out))
         os.replace(tmp, out)
     except BaseException:
-        for p in (tmp, sidecar_of(tmp), sidecar_of(out)):
+        for p in (tmp, sidecar_of(tmp), starts_of(tmp), sidecar_of(out), starts_of(out)):
             p.unlink(missing_ok=True)
         raise
     return side
