@@ -36,8 +36,8 @@ def check_batches(stream: TokenStream, flat: np.ndarray) -> None:
     assert b0.shape == (BATCH, SEQ) and b0.dtype == np.int32
     starts = window_starts(3, 0, BATCH, len(flat), SEQ)
     for row, s in zip(b0, starts, strict=True):
-        np.testing.assert_array_equal(row, flat[s:s + SEQ])
-    assert all(is_window_of(r, flat) for r in stream.rows(5, BATCH))
+        np.testing.assert_array_equal(documents.ids(row), flat[s:s + SEQ])
+    assert all(is_window_of(documents.ids(r), flat) for r in stream.rows(5, BATCH))
     np.testing.assert_array_equal(stream.rows(0, BATCH), b0)
     assert not np.array_equal(stream.rows(1, BATCH), b0)
     full = stream.rows(7, BATCH)
@@ -93,6 +93,10 @@ def test_hf_dataset_is_the_concatenated_documents(tmp_path, as_dict, shards):
     flat = np.concatenate([np.asarray(d) for d in docs])
     np.testing.assert_array_equal(stream.tokens, flat)
     check_batches(stream, flat)
+    # each row a document: the stream knows where each starts (data.documents)
+    np.testing.assert_array_equal(stream.doc_starts,
+                                  np.cumsum([0, *(len(d) for d in docs[:-1])]))
+    assert open_tokens(spec("hf_dataset", path, documents=False)).doc_starts is None
 
 
 def test_hf_dataset_reads_arrow_files_in_the_random_access_format_too(tmp_path):
@@ -164,10 +168,12 @@ def test_hf_dataset_is_read_in_place(tmp_path):
     assert not any(c.flags.owndata for c in stream.tokens.chunks)
     train, held = stream.split(0.25, eval_seed=5)
     flat = np.concatenate([np.asarray(d) for d in docs])
-    cut = len(flat) - int(np.ceil(len(flat) * 0.25))
+    # held out from the first document that starts at or after the last quarter's cut
+    starts = np.cumsum([0, *(len(d) for d in docs[:-1])])
+    cut = starts[starts >= len(flat) - int(np.ceil(len(flat) * 0.25))][0]
     np.testing.assert_array_equal(np.asarray(train.tokens), flat[:cut])
     np.testing.assert_array_equal(np.asarray(held.tokens), flat[cut:])
-    assert all(is_window_of(r, flat[cut:]) for r in held.rows(0, BATCH))
+    assert all(is_window_of(documents.ids(r), flat[cut:]) for r in held.rows(0, BATCH))
 
 
 def test_held_out_tail_is_never_trained_on(tmp_path):

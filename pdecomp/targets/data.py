@@ -228,12 +228,20 @@ def open_tokens(spec: TokenSpec, scan: bool = True) -> TokenStream:
         raise ConfigError("seed", spec.seed, "must be >= 0")
     if spec.source == "synthetic":
         return TokenStream(spec, None)
-    tokens = _open_flat_file(spec) if spec.source == "tokens" else _open_hf_dataset(spec)
+    if spec.source == "tokens":
+        tokens, rows = _open_flat_file(spec), None
+    else:
+        tokens, rows = _open_hf_dataset(spec)
     n = len(tokens)
     if n < spec.seq_len + 1:
         raise ConfigError("data.seq_len", spec.seq_len,
                           f"{spec.path} holds {n} tokens; needs at least seq_len + 1")
-    starts = _open_starts(spec, n) if spec.source == "tokens" and spec.documents else None
+    starts = (None if not spec.documents else rows if rows is not None
+              else _open_starts(spec, n))
+    if starts is not None and spec.vocab_size > documents.MAX_VOCAB:
+        raise ConfigError("data.documents", True, f"a vocabulary of {spec.vocab_size} ids "
+                          f"leaves no room for the document flag (at most "
+                          f"{documents.MAX_VOCAB}); set data.documents=false")
     if not scan:
         return TokenStream(spec, tokens, starts)
     ids = _scanned(spec, tokens)
@@ -264,10 +272,6 @@ def _open_starts(spec: TokenSpec, n: int) -> np.ndarray | None:
     if not len(starts) or starts[0] != 0 or np.any(np.diff(starts) <= 0) or starts[-1] >= n:
         raise ConfigError("data.path", spec.path, f"its document starts {f} are not "
                           f"ascending offsets from 0 below its {n} ids")
-    if spec.vocab_size > documents.MAX_VOCAB:
-        raise ConfigError("data.documents", True, f"a vocabulary of {spec.vocab_size} ids "
-                          f"leaves no room for the document flag (at most "
-                          f"{documents.MAX_VOCAB}); set data.documents=false")
     return starts
 
 
@@ -351,21 +355,35 @@ def _open_flat_file(spec: TokenSpec) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r")
 
 
-def _open_hf_dataset(spec: TokenSpec) -> ChunkedTokens:
+def _open_hf_dataset(spec: TokenSpec) -> tuple[ChunkedTokens, np.ndarray]:
+    """The dataset's ids as one stream, and where each of its rows (a document) starts."""
     files = _arrow_files(spec)
     # Flattened columns of the memory-mapped files, as numpy views: nothing is read here
-    # but the schema and the batch headers. Ids are checked like a flat file's: all of them
-    # when the stream is opened, every batch as it is read.
+    # but the schema, the batch headers and the rows' offsets. Ids are checked like a flat
+    # file's: all of them when the stream is opened, every batch as it is read.
     chunks: list[np.ndarray] = []
+    starts, n = [], 0
     for f in files:
         schema, batches = _record_batches(spec, f)
         _check_column(spec, schema)
         for batch in batches:
-            ids = batch.column(spec.column).flatten()
+            column = batch.column(spec.column)
+            ids = column.flatten()
             if ids.null_count:
                 raise ConfigError("data.column", spec.column, "holds null token ids")
             chunks.append(ids.to_numpy(zero_copy_only=False))
-    return ChunkedTokens(chunks)
+            starts.append(n + _row_starts(column))
+            n += len(ids)
+    return ChunkedTokens(chunks), np.unique(np.concatenate([[0], *starts])).astype(np.int64)
+
+
+def _row_starts(column: pa.Array) -> np.ndarray:
+    """Where each row of a list column starts in its flattened values (empty rows: none)."""
+    if pa.types.is_fixed_size_list(column.type):
+        return np.arange(len(column), dtype=np.int64) * column.type.list_size
+    offsets = column.offsets.to_numpy().astype(np.int64)
+    starts = offsets[:-1] - offsets[0]
+    return starts[offsets[1:] > offsets[:-1]]
 
 
 def _record_batches(spec: TokenSpec, f: Path) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
