@@ -367,6 +367,7 @@ def test_tokenize_streams_a_corpus_larger_than_its_memory_allowance(tmp_path):
     (["{corpus}", "--model", "{tmp}/nomodel", "-o", "{tmp}/t.bin"], "no tokenizer.json"),
     (["{tmp}/nothere.txt", "--model", "{model}", "-o", "{tmp}/t.bin"], "no such file"),
     (["{corpus}", "--model", "{model}", "-o", "{tmp}/exists.bin"], "exists"),
+    (["{corpus}", "--model", "{model}", "-o", "{tmp}/stray.bin"], "exists"),  # its .starts
     (["{corpus}", "--model", "{model}", "-o", "{tmp}/nodir/t.bin"], "does not exist"),
     (["{tmp}/bad.txt", "--model", "{model}", "-o", "{tmp}/t.bin"], "not UTF-8"),
     (["{corpus}", "--model", "{model}", "-o", "{tmp}/t.bin", "--glob", "*.rst"], "no file"),
@@ -380,6 +381,7 @@ def test_tokenize_refusals_are_one_line_exit_2_and_write_nothing(tmp_path, capsy
     (tmp_path / "corpus").mkdir()
     (tmp_path / "corpus" / "a.txt").write_text("the and")
     (tmp_path / "exists.bin").write_bytes(b"")
+    (tmp_path / "stray.bin.starts").write_bytes(b"")  # a document-starts file left alone
     (tmp_path / "bad.txt").write_bytes(b"\xff\xfe\x00bad")
     before = sorted(tmp_path.rglob("*"))
     argv = [a.format(tmp=tmp_path, model=model, corpus=tmp_path / "corpus") for a in args]

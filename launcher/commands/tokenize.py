@@ -14,7 +14,7 @@ import numpy as np
 from launcher.commands.common import Parser, progress_bar, refuse
 from pdecomp.core.config import ConfigError
 from pdecomp.targets import corpus
-from pdecomp.targets.data import sidecar_of
+from pdecomp.targets.data import sidecar_of, starts_of
 from pdecomp.targets.hub import local_model_dir
 from pdecomp.targets.text import (
     TokenizeError,
@@ -60,7 +60,7 @@ def parser() -> Parser:
 def check_args(args: argparse.Namespace) -> tuple[Path, corpus.Corpus]:
     """The output and the corpus, each checked as far as headers tell: TokenizeError."""
     out = Path(args.output)
-    if out.exists() or sidecar_of(out).exists():
+    if out.exists() or sidecar_of(out).exists() or starts_of(out).exists():
         raise TokenizeError(f"-o {out}: exists; give a new file")
     if not out.parent.is_dir():
         raise TokenizeError(f"-o {out}: its directory {out.parent} does not exist")

@@ -17,7 +17,6 @@ import numpy as np
 from jaxtyping import Array, Bool, Int
 
 START = 1 << 30  # above every vocabulary's ids, below int32's sign bit
-MAX_VOCAB = START
 
 
 def ids(batch: Int[Array, "b t"]) -> Int[Array, "b t"]:
@@ -28,7 +27,7 @@ def ids(batch: Int[Array, "b t"]) -> Int[Array, "b t"]:
 def mark(windows: np.ndarray, starts: np.ndarray) -> np.ndarray:
     """`windows` [b, t] with the flag set where `starts` [b, t] (bool) is: a document
     starts there."""
-    return np.where(starts, windows | START, windows).astype(windows.dtype)
+    return np.where(starts, windows | START, windows)
 
 
 def segments(batch: Int[Array, "b t"]) -> tuple[Int[Array, "b t"], Int[Array, "b t"]]:

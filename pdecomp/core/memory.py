@@ -1,7 +1,8 @@
 """How a run spends device memory, resolved once from `memory.*` into the `MemoryPolicy` the
 step and the targets read whole: the compute and matmul precision, what the recon forwards
 and the scanned site layers rematerialize (and what they keep), whether the CI function's
-output is streamed, the positions per chunk of the KL and CE, and whether the optimizer moments live on the host."""
+output is streamed, the positions per chunk of the KL and CE, and whether the optimizer
+moments live on the host."""
 
 from __future__ import annotations
 
@@ -54,8 +55,7 @@ class MemoryPolicy:
     def of(cls, memory: MemoryConfig) -> MemoryPolicy:
         return cls(memory.compute_dtype, memory.matmul_dtype, memory.remat,
                    tuple(memory.remat_names), memory.stream_ci, memory.logits_chunk,
-                   memory.remat_layers,
-                   memory.site_layer_saves, memory.offload_opt_state)
+                   memory.remat_layers, memory.site_layer_saves, memory.offload_opt_state)
 
     @property
     def dtype(self) -> jnp.dtype:

@@ -310,7 +310,8 @@ class StepPlan:
         else:
             to_device = to_host = lambda tree: tree
         return StepPlan(
-            spec, opts.components, opts.ci_fn, losses.distance(spec.method.distance, spec.memory.logits_chunk),
+            spec, opts.components, opts.ci_fn,
+            losses.distance(spec.method.distance, spec.memory.logits_chunk),
             spec.memory.dtype, spec.memory.recon_policy,
             pgd_lr(spec.method.pgd, spec.total_steps) if spec.method.pgd else None,
             dict(spec.sites.tied), pin,

@@ -151,6 +151,7 @@ class TokenStream:
         if self.doc_starts is not None:  # held out by document: the cut at a start
             at = int(np.searchsorted(self.doc_starts, cut))
             cut = int(self.doc_starts[at]) if at < len(self.doc_starts) else cut
+            held_starts = np.unique(np.concatenate([[0], self.doc_starts[at:] - cut]))
         if min(cut, n - cut) < L + 1:
             raise ConfigError("data.eval_frac", eval_frac,
                               f"{self.spec.path} holds {n} tokens; both its training part "
@@ -159,8 +160,6 @@ class TokenStream:
         if self.doc_starts is None:
             return TokenStream(self.spec, self.tokens[:cut]), TokenStream(held_spec,
                                                                            self.tokens[cut:])
-        at = int(np.searchsorted(self.doc_starts, cut))
-        held_starts = np.unique(np.concatenate([[0], self.doc_starts[at:] - cut]))
         return (TokenStream(self.spec, self.tokens[:cut], self.doc_starts[:at]),
                 TokenStream(held_spec, self.tokens[cut:], held_starts.astype(np.int64)))
 
@@ -238,10 +237,10 @@ def open_tokens(spec: TokenSpec, scan: bool = True) -> TokenStream:
                           f"{spec.path} holds {n} tokens; needs at least seq_len + 1")
     starts = (None if not spec.documents else rows if rows is not None
               else _open_starts(spec, n))
-    if starts is not None and spec.vocab_size > documents.MAX_VOCAB:
+    if starts is not None and spec.vocab_size > documents.START:
         raise ConfigError("data.documents", True, f"a vocabulary of {spec.vocab_size} ids "
                           f"leaves no room for the document flag (at most "
-                          f"{documents.MAX_VOCAB}); set data.documents=false")
+                          f"{documents.START}); set data.documents=false")
     if not scan:
         return TokenStream(spec, tokens, starts)
     ids = _scanned(spec, tokens)

@@ -210,8 +210,8 @@ class Llama(eqx.Module):
         seen = causal & documents.same_document(ctx.segment)
         scores = jnp.where(seen, scores.astype(jnp.float32), -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        ctx = einsum("bgrqk,bkgd->bqgrd", probs, v, operand).reshape(b, t, n_h * d)
-        h = h + attn_proj("o_proj", ctx)
+        attended = einsum("bgrqk,bkgd->bqgrd", probs, v, operand).reshape(b, t, n_h * d)
+        h = h + attn_proj("o_proj", attended)
         x = rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
         gated = jax.nn.silu(linear("gate_proj", x, w["gate_proj"])) * linear("up_proj", x,
                                                                               w["up_proj"])
@@ -235,7 +235,7 @@ class Llama(eqx.Module):
         carries the site layers'). `flags`: the batch's document flags (None: one document
         a window)."""
         flags = jnp.zeros(h.shape[:2], jnp.int32) if flags is None else flags
-        rope, operand = self.context(flags), memory.matmul_dtype
+        ctx, operand = self.context(flags), memory.matmul_dtype
         i = start
         while i < stop:
             j = i + 1
@@ -244,15 +244,15 @@ class Llama(eqx.Module):
                 while j < stop and j in hooked and _reads(linear, j) == reads \
                         and _follows(linear, i, j):
                     j += 1
-                h = (self._scan_sites(h, i, j, linear, rope, streams, memory) if j - i > 1
-                     else self._hooked(h, i, linear, rope, streams, operand))
+                h = (self._scan_sites(h, i, j, linear, ctx, streams, memory) if j - i > 1
+                     else self._hooked(h, i, linear, ctx, streams, operand))
                 i = j
                 continue
             while j < stop and j not in hooked:
                 j += 1
 
             def body(carry, k):
-                return self.block(carry, self.layer(k), rope,
+                return self.block(carry, self.layer(k), ctx,
                                   lambda _, x, W: dot(x, W, operand), operand), None
 
             # Over the layers' indices, each layer's weights read in place: scanned over
@@ -265,16 +265,16 @@ class Llama(eqx.Module):
             i = j
         return h
 
-    def _hooked(self, h: Array, i: int, linear: LinearFn, rope: Context,
+    def _hooked(self, h: Array, i: int, linear: LinearFn, ctx: Context,
                 streams: Recorded | None, operand: Any) -> Array:
         """Layer i with its sites named `layers.i.<part>.<name>`."""
         if streams is not None:
             streams[i] = h
-        return self.block(h, self.layer(i), rope, lambda n, x, W: linear(site_name(i, n), x, W),
+        return self.block(h, self.layer(i), ctx, lambda n, x, W: linear(site_name(i, n), x, W),
                           operand)
 
     def _scan_sites(self, h: Array, i: int, j: int, linear: SiteLinear,
-                    rope: Context, streams: Recorded | None,
+                    ctx: Context, streams: Recorded | None,
                     memory: MemoryPolicy) -> Array:
         """Hooked layers [i, j), whose sites are successive members of their groups, under
         one scan: one traced layer however many there are. Each kind's data is its group's,
@@ -301,7 +301,7 @@ class Llama(eqx.Module):
                     seen[name] = x
                 return linear.apply(data[name], x, W, linear.operand)
 
-            out = self.block(carry, w, rope, site_linear, linear.operand)
+            out = self.block(carry, w, ctx, site_linear, linear.operand)
             return out, (carry if streams is not None else None, seen)
 
         # `remat` here keeps what `saves` names (by default the layer's matmuls without a
@@ -324,11 +324,12 @@ class Llama(eqx.Module):
         The prefix (embedding and the layers before it) runs once per batch outside every
         gradient graph and gives the residual stream entering that layer with the batch's
         document flags (a `Resid`). `suffix(resid, linear, streams=None, live=None)` runs
-        the rest with the site layers hooked and returns the logits; the clean forward passes `streams` to
-        collect the residual entering each site layer. A forward whose live sites are
-        `live` starts from the clean stream at its first live layer (the layers before it
-        are all frozen, so the result is the same) and hooks only the live layers: a
-        chunk's forward costs its own layers and those after it, not the whole suffix.
+        the rest with the site layers hooked and returns the logits; the clean forward
+        passes `streams` to collect the residual entering each site layer. A forward whose
+        live sites are `live` starts from the clean stream at its first live layer (the
+        layers before it are all frozen, so the result is the same) and hooks only the live
+        layers: a chunk's forward costs its own layers and those after it, not the whole
+        suffix.
         The layers compute in `memory.dtype`, every matmul of both takes `memory.matmul_dtype`
         operands (`components.dot`; None: the compute dtype), and the suffix rematerializes
         as `memory` says.

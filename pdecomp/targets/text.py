@@ -81,8 +81,7 @@ def write(out: Path, batches: Iterable[tuple[np.ndarray, np.ndarray]], vocab: in
                     as_token_dtype(ids, dtype).tofile(f)
                 except ValueError as e:  # the tokenizer's added ids beyond config.json's vocab
                     raise TokenizeError(f"-o {out}: {e} (vocab_size {vocab})") from None
-                at = n_ids + np.concatenate([[0], np.cumsum(lengths)[:-1]])
-                at.astype("<u8").tofile(starts)
+                (n_ids + np.cumsum([0, *lengths[:-1]])).astype("<u8").tofile(starts)
                 n_docs, n_ids = n_docs + len(lengths), n_ids + len(ids)
                 if progress:
                     progress(n_docs)
