@@ -226,6 +226,21 @@ def test_document_starts_flag_windows_and_hold_out_by_document(tmp_path):
         open_tokens(spec("tokens", path))
 
 
+def test_data_documents_reaches_the_runs_token_stream(tmp_path):
+    """The run's `data.documents` decides, through the language-model kind's stream, whether
+    a file that records its documents is read by document."""
+    from pdecomp.core.config import DataConfig, LlamaModelConfig
+    from pdecomp.kinds.language_model import token_stream
+
+    path = data.write_tokens(tmp_path / "t.bin", np.arange(1000) % 60, "uint16", [0, 300, 700])
+    model = LlamaModelConfig(name="t", vocab_size=64, d_embed=8, n_layers=1, d_mlp=8,
+                             n_heads=2, n_kv_heads=1)
+    cfg = DataConfig(batch_size=2, source="tokens", path=str(path), seq_len=SEQ,
+                     eval_frac=0.0)
+    assert token_stream(model, cfg, 0).doc_starts.tolist() == [0, 300, 700]
+    assert token_stream(model, dataclasses.replace(cfg, documents=False), 0).doc_starts is None
+
+
 def test_batch_with_out_of_range_id_raises(tmp_path):
     # Opening checks every id; each batch is checked again as it is read (a stream built
     # around ids the open never checked against this vocab).
