@@ -32,6 +32,9 @@ def _one_compilation_cache_per_run() -> None:
         os.environ[_RUN_CACHE] = tempfile.mkdtemp(prefix="pdecomp-test-jax-cache-")
         atexit.register(shutil.rmtree, os.environ[_RUN_CACHE], ignore_errors=True)
     os.environ.update(dict(zip(names, (os.environ[_RUN_CACHE], "0", "-1"), strict=True)))
+    # the gate's forecast measures this CPU once for the whole run, not in the user's cache
+    os.environ.setdefault("PDECOMP_CALIBRATION_DIR",
+                          os.path.join(os.environ[_RUN_CACHE], "calibration"))
 
 
 _RUN_CACHE = "PDECOMP_TEST_RUN_CACHE"

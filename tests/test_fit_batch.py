@@ -250,7 +250,7 @@ def test_the_mesh_that_fits_in_the_least_predicted_time_is_chosen(peaks, chosen)
 def test_cli_fit_mesh_takes_the_fastest_split_that_fits(tmp_path: Path,
                                                         env: dict[str, str]) -> None:
     """TMS gated deviceless for 2 hosts x 4 H100s: every split of the 8 whose model axis
-    stays in a host is compiled; the run takes the one with the least predicted time (its
+    stays in a host is compiled; the run takes the one with the least forecast time (its
     own, model 4, the slowest)."""
     run_dir = tmp_path / "mesh"
     proc = ok(pdecomp(["gate.only=true", "gate.target=h100", "mesh.hosts=2",
@@ -263,7 +263,8 @@ def test_cli_fit_mesh_takes_the_fastest_split_that_fits(tmp_path: Path,
                                          {"data": 2, "model": 4}]
     fastest = min((t for t in tried if t["fits"]), key=lambda t: t["step_s"])
     assert gate["fits"] and gate["mesh"] == fastest["mesh"]
-    assert gate["step"]["time"]["roofline_s"] == fastest["step_s"]
+    assert gate["step"]["forecast"]["s_per_step"] == fastest["step_s"]
+    assert all(t["floor_s"] <= t["step_s"] for t in tried)  # ranked by forecast, not floor
     assert fastest["model"] != 4
     resolved = load_json(run_dir / "run.json")["config"]["mesh"]
     assert (resolved["model"], resolved["data"]) == (fastest["model"], 0)

@@ -21,7 +21,8 @@ import jaxlib
 
 from pdecomp.core import hardware
 from pdecomp.core.units import GiB, fmt_bytes
-from pdecomp.gate import step_cost
+from pdecomp.gate import forecast, step_cost
+from pdecomp.gate.calibration import Calibration
 from pdecomp.gate.report import GateReport
 from pdecomp.gate.xla_dump import (
     compile_detached,
@@ -78,7 +79,9 @@ def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, 
                        out_shardings: Any = None, cap_bytes: int, cap_source: str, target: str,
                        mesh: dict[str, int], parts: dict[str, int] | None = None,
                        top_temps: int = 0, detach: bool = False, hosts: int = 1,
-                       gpu: hardware.GpuSpec | None = None) -> tuple[Any, GateReport]:
+                       gpu: hardware.GpuSpec | None = None,
+                       calibration: Calibration | None = None,
+                       tokens_per_step: int | None = None) -> tuple[Any, GateReport]:
     """Lower and compile `fn` on abstract `args`; return the executable and the gate report.
 
     `out_shardings` pins the state's layout to its input layout, so the executable can be fed
@@ -128,18 +131,27 @@ def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, 
         # the figures are XLA's of this jaxlib: another version assigns buffers differently
         jax=jax.__version__, jaxlib=jaxlib.__version__,
         xla_flags=os.environ.get("XLA_FLAGS", ""), argument_parts_bytes=parts or {},
-        largest_temps=temps, step=step_report(text, math.prod(mesh.values()), hosts, gpu))
+        largest_temps=temps, step=step_report(
+            text, math.prod(mesh.values()), hosts, gpu, calibration,
+            fresh_bytes=temp + out - alias, tokens_per_step=tokens_per_step))
     return compiled, report
 
 
 def step_report(text: str | None, n_devices: int, hosts: int,
-                gpu: hardware.GpuSpec | None) -> dict[str, Any] | None:
-    """gate.json's `step`: per device FLOPs, HBM bytes and collective bytes by kind, and
-    with a GPU's rates the roofline time (None where XLA left no optimized module)."""
+                gpu: hardware.GpuSpec | None, calibration: Calibration | None = None,
+                fresh_bytes: int = 0, tokens_per_step: int | None = None
+                ) -> dict[str, Any] | None:
+    """gate.json's `step`: per device FLOPs, HBM bytes and collective bytes by kind; with a
+    GPU's rates the roofline time (a floor); with the device's calibration the forecast
+    (pdecomp.gate.forecast). None where XLA left no optimized module."""
     if not text:
         return None
     cost = step_cost.measure(text, n_devices, hosts)
-    return {**cost, "time": step_cost.roofline(cost, gpu) if gpu else None}
+    out = {**cost, "time": step_cost.roofline(cost, gpu) if gpu else None}
+    if calibration is not None:
+        out["forecast"] = forecast.forecast(text, n_devices, hosts, calibration, fresh_bytes,
+                                            tokens_per_step)
+    return out
 
 
 def uncompiled_report(*, argument_bytes: int, cap_bytes: int, cap_source: str, target: str,

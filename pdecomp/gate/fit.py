@@ -120,7 +120,8 @@ def _with_fit(report: GateReport, chosen: int, why: str,
     def row(k: int, r: GateReport) -> dict[str, Any]:
         out = {key: k, "peak_bytes": r.peak_bytes, "fits": r.fits}
         if mode == "mesh":
-            out.update(mesh=r.mesh, step_s=_seconds(r), bound=r.step["time"]["bound"])
+            out.update(mesh=r.mesh, step_s=_seconds(r), floor_s=r.step["time"]["roofline_s"],
+                       bound=r.step["time"]["bound"])
         return out
 
     report.fit = {"mode": mode, "chosen": chosen, "why": why,
@@ -129,14 +130,17 @@ def _with_fit(report: GateReport, chosen: int, why: str,
 
 
 def _seconds(report: GateReport) -> float:
+    """The step's forecast (pdecomp.gate.forecast), or its floor where none was made."""
+    if f := report.step.get("forecast"):
+        return f["s_per_step"]
     return report.step["time"]["roofline_s"]
 
 
 def fit_mesh(compile_at: Callable[[int], tuple[Any, GateReport]], models: list[int]
              ) -> tuple[int, Any, GateReport]:
     """The model-axis size among `models` (the other devices on the data axis) whose step
-    fits under the cap in the least time predicted from its compiled module (the roofline
-    at the target's published rates, `step.time`). Every candidate is compiled: the peak
+    fits under the cap in the least time forecast from its compiled module (`step.forecast`,
+    at the target's calibration; its floor `step.time` where there is none). Every candidate is compiled: the peak
     and the time both move with the split, neither monotonically.
 
     Returns the size with its executable and report, whose `fit` entry lists every split
@@ -146,7 +150,7 @@ def fit_mesh(compile_at: Callable[[int], tuple[Any, GateReport]], models: list[i
     if fitting:
         chosen = min(fitting, key=lambda m: _seconds(tried[m][1]))
         report = tried[chosen][1]
-        why = (f"predicted {_seconds(report):.3g} s a step "
+        why = (f"forecast {_seconds(report):.3g} s a step "
                f"({report.step['time']['bound']}-bound), peak "
                f"{fmt_bytes(report.peak_bytes)} (cap {fmt_bytes(report.cap_bytes)}); "
                f"{len(fitting)} of {len(tried)} splits fit")

@@ -100,7 +100,7 @@ def rows(report: GateReport) -> list[tuple[str, str]]:
         out.append(("matmul FLOPs / step", f"{r.matmul_flops:.3e} (whole mesh)"))
     if r.flops:
         out.append(("XLA FLOPs", f"{r.flops:.3e} (loop bodies once)"))
-    out += step_rows(r.step)
+    out += step_rows(r.step, r.batch_size)
     if r.fit is not None:
         what = {"batch": "batches", "microbatches": "microbatch counts",
                 "mesh": "meshes"}[r.fit["mode"]]
@@ -127,8 +127,9 @@ def memory_rows(r: GateReport) -> list[tuple[str, str]]:
     return out + [(f"  argument: {k}", fmt_bytes(v)) for k, v in r.argument_parts_bytes.items()]
 
 
-def step_rows(step: dict[str, Any] | None) -> list[tuple[str, str]]:
-    """The step's cost per device, and its predicted time where the rates are known."""
+def step_rows(step: dict[str, Any] | None, batch_size: int | None = None
+              ) -> list[tuple[str, str]]:
+    """The step's cost per device, its forecast and its floor where the rates are known."""
     if not step:
         return []
     out = [("step per device", (f"{step['flops']:.3e} FLOPs, {fmt_bytes(step['hbm_bytes'])} "
@@ -136,9 +137,23 @@ def step_rows(step: dict[str, Any] | None) -> list[tuple[str, str]]:
     for kind, c in step["collectives"].items():
         out.append((f"  {kind}", (f"{c['count']} x, {fmt_bytes(c['bytes'])} sent"
                                  f" ({fmt_bytes(c['network_bytes'])} across hosts)")))
+    if f := step.get("forecast"):
+        out += forecast_rows(f, batch_size)
     if t := step.get("time"):
         out.append(("predicted step (a floor)", (
             f"{t['roofline_s']:.3g} s, {t['bound']}-bound (compute {t['compute_s']:.3g} s, "
             f"HBM {t['hbm_s']:.3g} s, network {t['network_s']:.3g} s; "
             f"no overlap {t['serial_s']:.3g} s)")))
     return out
+
+
+def forecast_rows(f: dict[str, Any], batch_size: int | None) -> list[tuple[str, str]]:
+    """The forecast: seconds a step and what it buys, where they go, what it read."""
+    s = f["s_per_step"]
+    rate = (f"{f['tokens_per_s']:,.0f} tokens/s" if f.get("tokens_per_s") else
+            f"{batch_size / s:,.0f} examples/s" if batch_size and s else "")
+    b = f["breakdown_s"]
+    parts = ", ".join(f"{k.replace('_', ' ')} {v:.3g} s" for k, v in b.items() if v)
+    return [("forecast step", f"{s:.3g} s ({rate}); floor {f['floor_s']:.3g} s"),
+            ("  where it goes", f"{parts}; {f['kernels']} kernels, collectives serial"),
+            ("  calibration", f"{f['calibration']['device']}: {f['calibration']['source']}")]

@@ -22,7 +22,7 @@ from pdecomp.core import hardware, sharding
 from pdecomp.core.memory import SITE_LAYER_SAVES
 from pdecomp.core.units import fmt_bytes
 from pdecomp.gate import compiled as gate_lib
-from pdecomp.gate import fit
+from pdecomp.gate import calibration, fit
 from pdecomp.gate.report import GateReport
 from pdecomp.gate.shapes import OPT_PART_HOST, abstract_run, argument_parts
 from pdecomp.plan.resolve import Run
@@ -116,7 +116,9 @@ class Compiler:
             donate_argnums=(0,) if run.config.memory.donate else (),
             out_shardings=(sharding.shardings(self.state_abs),
                            NamedSharding(self.layout.mesh, P())),
-            parts=argument_parts(run, self.target_abs, self.state_abs, batch), top_temps=run.config.gate.top_temps, detach=self.detach,
+            parts=argument_parts(run, self.target_abs, self.state_abs, batch),
+            top_temps=run.config.gate.top_temps, detach=self.detach,
+            tokens_per_step=run.batch.size * run.kind.tokens_per_example(run.config.data),
             **self.where)
         report.batch_size, report.memory_env = run.batch.size, self.memory_env
         if run.config.memory.offload_opt_state and run.placement.deviceless:
@@ -207,7 +209,10 @@ def prepare(run: Run, init_key: Array, detach: bool) -> Compiler:
     cap, cap_source, memory_env = gate_cap(run, mesh)
     where = {"cap_bytes": cap, "cap_source": cap_source, "target": target_name(run, mesh),
              "mesh": dict(mesh.shape), "hosts": len({d.process_index for d in mesh.devices.flat}),
-             "gpu": hardware.spec_of(run.placement.target, mesh.devices.flat[0].device_kind)}
+             "gpu": hardware.spec_of(run.placement.target, mesh.devices.flat[0].device_kind),
+             "calibration": calibration.for_target(run.placement.target if
+                                                   run.placement.deviceless else None,
+                                                   mesh.devices.flat[0].device_kind)}
     return Compiler(layout, target_abs, state_abs, where,
                     memory_env, detach)
 

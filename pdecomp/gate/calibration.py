@@ -1,0 +1,184 @@
+"""What one device achieves, as data: the rates the gate's forecast (pdecomp.gate.forecast)
+reads, by the size of the work, from a microbenchmark of that device
+(pdecomp.gate.microbench) or, for a card nobody has measured, from published figures
+(`source` says which).
+
+A card's file lives beside this module (`calibrations/<card>.json`); the CPU at hand is
+measured the first time a gate needs it and cached under PDECOMP_CALIBRATION_DIR (default
+~/.cache/pdecomp/calibration), keyed by what the rates depend on: the CPU model, its core
+count and jaxlib. PDECOMP_CALIBRATION=FILE names a file to use instead.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import math
+import os
+import platform
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdecomp.core.config import ConfigError
+
+CARDS = Path(__file__).parent / "calibrations"
+FILE_VAR, DIR_VAR = "PDECOMP_CALIBRATION", "PDECOMP_CALIBRATION_DIR"
+
+
+@dataclass(frozen=True)
+class Curve:
+    """A rate (per second) against the size of one kernel's work, measured at a few sizes:
+    between two of them log-linear, beyond them the nearest one's rate."""
+
+    points: tuple[tuple[float, float], ...]  # (size, rate), sizes increasing
+
+    def __call__(self, size: float) -> float:
+        sizes = [s for s, _ in self.points]
+        i = bisect.bisect_left(sizes, size)
+        if i == 0 or size <= 0:
+            return self.points[0][1]
+        if i == len(sizes):
+            return self.points[-1][1]
+        (s0, r0), (s1, r1) = self.points[i - 1], self.points[i]
+        w = (math.log(size) - math.log(s0)) / (math.log(s1) - math.log(s0))
+        return math.exp((1 - w) * math.log(r0) + w * math.log(r1))
+
+    @property
+    def peak(self) -> float:
+        return max(r for _, r in self.points)
+
+
+@dataclass(frozen=True)
+class Link:
+    """A collective over one kind of link: alpha-beta, the bandwidth's efficiency by size."""
+
+    latency_s: float  # alpha, per collective
+    bandwidth: Curve  # achieved bytes/s one way per device, by message bytes
+
+    def seconds(self, sent_bytes: float) -> float:
+        return self.latency_s + sent_bytes / self.bandwidth(sent_bytes)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The rates of one device: matmul FLOP/s by FLOPs per dtype of its operands, memory
+    bytes/s (read + written) by bytes, elementwise operations and transcendentals per second
+    by elements, the fixed cost of each kernel, and collectives by link."""
+
+    device: str
+    source: str  # "measured ..." (a microbenchmark's run) or "published ..." (no card measured)
+    launch_s: float
+    matmul: dict[str, Curve]  # operand dtype ("float32", "bfloat16") -> FLOP/s by FLOPs
+    memory: Curve  # bytes/s by bytes a kernel reads and writes
+    elementwise: Curve  # cheap operations (add, compare, shift...) per s by op-elements
+    transcendental: Curve  # exp, log, tanh... per s by op-elements
+    dispatch_s: float = 0.0  # once per step: the program's dispatch beside its kernels
+    # bytes/s of memory first touched in a run: XLA:CPU's temporaries are allocated anew
+    # each run and, above `fresh_threshold_bytes`, mapped anew (0: none, a GPU's pool)
+    fresh_bytes_rate: float = 0.0
+    fresh_threshold_bytes: int = 32 * 2**20
+    links: dict[str, Link] = field(default_factory=dict)  # "nvlink", "network"
+    notes: dict[str, str] = field(default_factory=dict)  # where each figure came from
+
+    def matmul_rate(self, dtype: str, flops: float) -> float:
+        curve = self.matmul.get(dtype) or self.matmul["float32"]
+        return curve(flops)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> Calibration:
+        def curve(c: dict[str, Any]) -> Curve:
+            return Curve(tuple((float(s), float(r)) for s, r in c["points"]))
+
+        return Calibration(
+            device=d["device"], source=d["source"], launch_s=float(d["launch_s"]),
+            matmul={k: curve(v) for k, v in d["matmul"].items()}, memory=curve(d["memory"]),
+            elementwise=curve(d["elementwise"]), transcendental=curve(d["transcendental"]),
+            dispatch_s=float(d.get("dispatch_s", 0.0)),
+            fresh_bytes_rate=float(d.get("fresh_bytes_rate", 0.0)),
+            fresh_threshold_bytes=int(d.get("fresh_threshold_bytes", 32 * 2**20)),
+            links={k: Link(float(v["latency_s"]), curve(v["bandwidth"]))
+                   for k, v in d.get("links", {}).items()},
+            notes=dict(d.get("notes", {})))
+
+
+def read(path: Path) -> Calibration:
+    """A calibration file; ConfigError naming it where it is not one."""
+    try:
+        return Calibration.from_json(json.loads(Path(path).read_text()))
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise ConfigError(FILE_VAR, str(path), f"a calibration file that "
+                          f"pdecomp.gate.microbench wrote ({type(e).__name__}: {e})") from None
+
+
+def write(cal: Calibration, path: Path) -> None:
+    """Written whole or not at all: a half-written cache would be read as a calibration."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(cal.to_json(), indent=1) + "\n")
+    tmp.replace(path)
+
+
+def for_card(card: str) -> Calibration:
+    """The calibration file of a card of the hardware table (h100, h200, b200)."""
+    return read(CARDS / f"{card}.json")
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cache_path(device_kind: str) -> Path:
+    """Where the local device's measured calibration is cached: one file per thing the
+    rates depend on."""
+    import jaxlib
+
+    key = json.dumps([device_kind, cpu_model(), os.cpu_count(), jaxlib.__version__])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    root = Path(os.environ.get(DIR_VAR) or Path.home() / ".cache" / "pdecomp" / "calibration")
+    return root / f"{device_kind.replace(' ', '_').replace('/', '_')}-{digest}.json"
+
+
+def local(device_kind: str) -> Calibration:
+    """The local device's calibration: PDECOMP_CALIBRATION's file, else the cached
+    measurement, else measured now (a few seconds) and cached."""
+    if given := os.environ.get(FILE_VAR):
+        return read(Path(given))
+    path = cache_path(device_kind)
+    if path.is_file():
+        try:
+            return read(path)
+        except ConfigError:
+            pass  # a damaged cache is measured again
+    from pdecomp.gate import microbench  # jax programs: only when one is needed
+
+    cal = microbench.measure()
+    try:
+        write(cal, path)
+    except OSError:
+        pass  # an unwritable cache costs the next gate a measurement, nothing else
+    return cal
+
+
+def for_target(card: str | None, device_kind: str) -> Calibration | None:
+    """The calibration a gate forecasts with: a deviceless card's file, else the local
+    device's (measured, cached). None where the local device cannot be measured: the gate
+    then reports its floor alone."""
+    if card:
+        return for_card(card)
+    try:
+        return local(device_kind)
+    except ConfigError:
+        raise
+    except Exception:  # noqa: BLE001 - a forecast is never a reason to stop a gate
+        return None

@@ -1,0 +1,241 @@
+"""A short microbenchmark of the local device: what its kernels achieve by size, written as
+a calibration (pdecomp.gate.calibration) for the gate's forecast.
+
+Each probe is a program of R like kernels in a chain (an optimization barrier between two,
+so XLA fuses none of them into the next), timed whole (median of its runs) and read
+through the same kernel count the forecast makes of a train step (pdecomp.gate.forecast),
+so a probe measures exactly the quantities the forecast multiplies:
+
+- the fixed cost of a kernel: 256 kernels of 16 elements, less one of them, per kernel;
+  what one program's dispatch costs beside it;
+- matmul FLOP/s at six sizes in float32 and bfloat16 (square products, R in a chain);
+- memory bytes/s of elementwise kernels (one read, one write) from 64 KiB to 256 MiB;
+- cheap elementwise op-elements/s (32 multiply-adds an element) and transcendentals/s
+  (tanh) at three sizes;
+- with several local devices, all-reduce and all-gather over all of them at four sizes
+  (alpha from the smallest, bandwidth by size), as the link within a host.
+
+    python -m pdecomp.gate.microbench [-o FILE]    # prints the calibration; -o writes it
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pdecomp.gate import forecast
+from pdecomp.gate.calibration import Calibration, Curve, Link, write
+
+R = 8  # kernels in a probe's chain
+FRESH_BYTES = 32 * 2**20  # glibc's largest mmap threshold
+
+
+def _timed(fn: Callable, args: tuple, budget_s: float = 0.15
+           ) -> tuple[float, list[Any], int]:
+    """Median seconds of one run of compiled `fn`, its kernels as the forecast reads them,
+    and its temporary bytes."""
+    compiled = jax.jit(fn).lower(*args).compile()
+    ks = forecast.kernels(compiled.as_text(), 1)
+    temp = int(compiled.memory_analysis().temp_size_in_bytes)
+    jax.block_until_ready(compiled(*args))
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < 5 or (time.perf_counter() - start < budget_s and len(times) < 200):
+        t = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), ks, temp
+
+
+def chain(step: Callable, n: int) -> Callable:
+    """`step` applied n times, each result kept apart from the next by a barrier."""
+
+    def run(x, *rest):
+        for _ in range(n):
+            x = lax.optimization_barrier(step(x, *rest))
+        return x
+
+    return run
+
+
+@dataclass(frozen=True)
+class Probe:
+    kernel: Any  # one of the chain's kernels, as the forecast reads it
+    seconds: float  # what one of them takes beyond its launch
+
+
+def probe(step: Callable, args: tuple, pick: Callable[[Any], bool], launch: float,
+          dispatch: float, budget_s: float = 0.15) -> Probe:
+    """A chain of kernels of `step`, as many as keep its temporaries under FRESH_BYTES (so
+    no page is first touched in a run, which `fresh_rate` measures apart): the seconds of
+    one beyond its launch."""
+    n = max(2, min(R, FRESH_BYTES // (2 * max(_bytes(args[0]), 1))))
+    t, ks, _ = _timed(chain(step, n), args, budget_s)
+    chosen = sum(k.runs for k in ks if pick(k))
+    each = (t - dispatch - sum(k.runs for k in ks) * launch) / max(chosen, 1)
+    return Probe(next(k for k in ks if pick(k)), max(each, 1e-9))
+
+
+def _bytes(x: Any) -> int:
+    return x.size * x.dtype.itemsize
+
+
+def fixed_costs() -> tuple[float, float]:
+    """(seconds per kernel, seconds per program dispatch)."""
+    x = jnp.ones((16,), jnp.float32)
+    one, k1, _ = _timed(chain(lambda v: v * 1.0001 + 1e-4, 1), (x,))
+    many, k256, _ = _timed(chain(lambda v: v * 1.0001 + 1e-4, 256), (x,))
+    n1, n256 = sum(k.runs for k in k1), sum(k.runs for k in k256)
+    launch = max((many - one) / max(n256 - n1, 1), 1e-8)
+    return launch, max(one - n1 * launch, 0.0)
+
+
+def matmuls(launch: float, dispatch: float, sizes: dict[str, tuple[int, ...]]
+            ) -> dict[str, Curve]:
+    out = {}
+    key = jax.random.PRNGKey(0)
+    for dtype, ns in sizes.items():
+        points = []
+        for n in ns:
+            w = (jax.random.normal(key, (n, n)) / n ** 0.5).astype(dtype)
+            p = probe(lambda v, m: v @ m, (w, w), lambda k: k.flops > 0, launch, dispatch,
+                      budget_s=0.3)
+            points.append((float(p.kernel.flops), p.kernel.flops / p.seconds))
+        out[dtype] = Curve(tuple(points))
+    return out
+
+
+def memory(launch: float, dispatch: float, sizes_bytes: tuple[int, ...]) -> Curve:
+    """Bytes/s of elementwise kernels (one read, one write) by the bytes they move: small
+    ones in a chain, those too large for one as a single kernel writing over its input."""
+    points = []
+    for size in sizes_bytes:
+        x = jnp.ones((size // 4,), jnp.float32)
+        if 2 * size <= FRESH_BYTES:
+            p = probe(lambda v: v * 1.0001 + 1e-4, (x,), lambda k: k.bytes >= size, launch,
+                      dispatch)
+            points.append((float(p.kernel.bytes), p.kernel.bytes / p.seconds))
+        else:
+            t = _donated(x)
+            points.append((2.0 * size, 2 * size / max(t - dispatch - launch, 1e-9)))
+    return Curve(tuple(points))
+
+
+def _donated(x: Any, donate: bool = True) -> float:
+    """Median seconds of one elementwise kernel over `x`, written over `x` (donated) or
+    into a fresh output."""
+    fn = jax.jit(lambda v: v * 1.0001 + 1e-4, donate_argnums=(0,) if donate else ())
+    x = fn(x)
+    times = []
+    for _ in range(7):
+        t = time.perf_counter()
+        y = fn(x)
+        jax.block_until_ready(y)
+        times.append(time.perf_counter() - t)
+        if donate:
+            x = y
+    return statistics.median(times)
+
+
+def fresh_rate(size: int) -> float:
+    """Bytes/s of memory a run allocates and first touches (XLA:CPU's temporaries and
+    outputs above FRESH_BYTES: glibc's malloc maps them anew each run, and each page
+    faults once): one kernel into a fresh output, less the same over its input."""
+    x = jnp.ones((size // 4,), jnp.float32)
+    extra = _donated(x, donate=False) - _donated(jnp.ones((size // 4,), jnp.float32))
+    return size / extra if extra > 0 else 0.0
+
+
+def elementwise(launch: float, dispatch: float, mem: Curve, n_elements: tuple[int, ...],
+                transcendental: bool) -> Curve:
+    """Op-elements/s of kernels that compute more than they move: 32 multiply-adds an
+    element, or 4 tanh."""
+
+    def many_ops(v):
+        for _ in range(16):
+            v = v * 1.0001 + 1e-4
+        return v
+
+    def tanhs(v):
+        for _ in range(4):
+            v = jnp.tanh(v)
+        return v
+
+    points = []
+    for n in n_elements:
+        x = jnp.full((n,), 0.5, jnp.float32)
+        p = probe(tanhs if transcendental else many_ops, (x,), lambda k: k.bytes >= 8 * n,
+                  launch, dispatch)
+        count = p.kernel.transcendentals if transcendental else p.kernel.ops
+        points.append((float(count), count / p.seconds))
+    return Curve(tuple(points))
+
+
+def links(sizes_bytes: tuple[int, ...]) -> dict[str, Link]:
+    """The collectives of all local devices (none with one device or on CPU, where the
+    forecast counts a collective's bytes as memory traffic)."""
+    devices = jax.local_devices()
+    if len(devices) < 2 or devices[0].platform == "cpu":
+        return {}
+    mesh = jax.make_mesh((len(devices),), ("d",))
+    spec = jax.sharding.PartitionSpec("d")
+    points = []
+    for size in sizes_bytes:
+        x = jax.device_put(jnp.ones((len(devices), size // 4), jnp.float32),
+                           jax.sharding.NamedSharding(mesh, spec))
+        fn = jax.shard_map(chain(lambda v: lax.psum(v, "d"), R), mesh=mesh, in_specs=spec,
+                           out_specs=spec)
+        t, _, _ = _timed(fn, (x,))
+        sent = 2 * size * (len(devices) - 1) / len(devices)  # a ring all-reduce
+        points.append((sent, t / R))
+    alpha = points[0][1]
+    curve = Curve(tuple((s, s / max(t - alpha, 1e-9)) for s, t in points[1:]))
+    return {"nvlink": Link(alpha, curve)}
+
+
+def measure() -> Calibration:
+    """The local device's calibration (a few seconds on a 2-core CPU)."""
+    device = jax.local_devices()[0]
+    launch, dispatch = fixed_costs()
+    big = device.platform != "cpu"
+    mm = matmuls(launch, dispatch, {
+        "float32": (64, 128, 256, 512, 1024, 2048) + ((4096, 8192) if big else ()),
+        "bfloat16": (128, 512, 1024, 2048) + ((4096, 8192) if big else ())})
+    mem = memory(launch, dispatch, tuple(2 ** p for p in range(16, 29, 2)))
+    sizes = (1 << 14, 1 << 18, 1 << 21) + ((1 << 24,) if big else ())
+    return Calibration(
+        device=device.device_kind, source=f"measured by pdecomp.gate.microbench, jax "
+        f"{jax.__version__}, {time.strftime('%Y-%m-%d')}", launch_s=launch,
+        dispatch_s=dispatch, matmul=mm, memory=mem,
+        fresh_bytes_rate=statistics.median(
+            fresh_rate(1 << p) for p in (25, 26, 27) for _ in range(2))
+        if device.platform == "cpu" else 0.0,
+        elementwise=elementwise(launch, dispatch, mem, sizes, False),
+        transcendental=elementwise(launch, dispatch, mem, sizes, True),
+        links=links((1 << 12, 1 << 20, 1 << 24, 1 << 27)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("-o", "--out", help="write the calibration here (JSON)")
+    args = p.parse_args(argv)
+    cal = measure()
+    if args.out:
+        from pathlib import Path
+
+        write(cal, Path(args.out))
+    import json
+
+    print(json.dumps(cal.to_json(), indent=1))
+
+
+if __name__ == "__main__":
+    main()
