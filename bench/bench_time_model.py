@@ -1,21 +1,31 @@
-"""The gate's time model against step times measured on GPUs: each job of the GPU suite whose
-step was timed on one H200 or H100 (bench/results.json "gpu") gated again deviceless for that
-card on this machine, its predicted step (pdecomp.gate.step_cost: a roofline at the card's
-published rates) beside the measured one; rows go into bench/results.json under "time_model".
+"""The gate's forecast (pdecomp.gate.forecast) against measured steps, its calibration taken
+from microbenchmarks only, never fitted to these jobs; rows go into bench/results.json under
+"time_model".
 
-    .venv/bin/python bench/bench_time_model.py --model SMOLLM2_DIR          # every job
-    .venv/bin/python bench/bench_time_model.py --model SMOLLM2_DIR --job llama8b_all7_l18
+- GPU rows: each job of the GPU suite whose step was timed on one H200 or H100
+  (bench/results.json "gpu") gated again deviceless for that card on this machine, with the
+  card's calibration file (pdecomp/gate/calibrations), beside the measured step and the floor
+  (the roofline at the card's published rates, pdecomp.gate.step_cost).
+- CPU rows (`--cpu`): the TMS 5-2 step and the SmolLM2 layer-28 step measured here
+  (bench/time_step.py: the gated executable timed, median of its steps) beside the forecast the
+  same gate made with this CPU's calibration (measured by pdecomp.gate.microbench, cached).
 
-SMOLLM2_DIR: SmolLM2-135M in Hugging Face form (`pdecomp convert` of its GGUF); the speed jobs
-use its shapes with random weights, as the suite did (a step's time does not depend on them).
-The measured step is the suite's (its commit is in each row); the prediction is this commit's
-program, whose matmul FLOPs are checked equal to the measured run's.
+    .venv/bin/python bench/bench_time_model.py                  # every GPU job
+    .venv/bin/python bench/bench_time_model.py --cpu --job none # the CPU rows only
+    .venv/bin/python bench/bench_time_model.py --job llama8b_all7_l18
+
+The speed jobs use SmolLM2-135M's shapes with random weights, as the suite did (a step's time
+does not depend on them): `--model SMOLLM2_DIR` (`pdecomp convert` of its GGUF) copies its
+config; without it, the preset's shapes and synthetic tokens. The measured step is the
+suite's (its commit is in each row); the forecast is this commit's program.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -41,9 +51,19 @@ L18_ALL7 = ["+experiment=llama8b_l18-26_chunkwise", "layers=l18",
 L18_ALL7_MEASURED = "llama8b_shapes_20_layers_layer18_all_7_matrices_C4096_32x512_bf16"
 
 
-def jobs(model: Path, data: Path) -> dict[str, tuple[str, str, list[str]]]:
+# The CPU rows: name -> (steps timed, overrides)
+CPU_JOBS = {
+    "tms_5-2": (60, []),
+    "smollm2_l28": (8, ["+experiment=smollm2_l28", "data.source=synthetic",
+                        "loss.eval_pgd.n_steps=0", "data.eval_batches=0",
+                        "optim.faith_warmup_steps=0"]),
+}
+
+
+def jobs(model: Path | None, data: Path | None) -> dict[str, tuple[str, str, list[str]]]:
     """name: (the measured job's name in results.json "gpu", the card, the overrides)."""
-    files = [f"model.path={model}", f"data.path={data}"]
+    files = ([f"model.path={model}", f"data.path={data}"] if model else
+             ["data.source=synthetic"])
     speed = {f"smollm2_l28_mlp_ci_{b}x128_{dt}": (
         f"smollm2_l28_mlp_ci_{b}x128_{dt}", "h200",
         [*SPEED_JOB, f"data.batch_size={b}", f"memory.matmul_dtype={dt}", *files])
@@ -58,39 +78,75 @@ def jobs(model: Path, data: Path) -> dict[str, tuple[str, str, list[str]]]:
 
 def row(name: str, card: str, measured: dict, report: dict, wall_s: float) -> dict:
     step = report["step"]
-    t = step["time"]
+    t, f = step["time"], step["forecast"]
     s = measured["s_per_step"]
     return {"job": name, "card": card, "measured_job": measured["job"],
             "measured_commit": measured["commit"], "measured_s": s,
             "measured_matmul_flops": measured["tflops"] * 1e12 * s,
             "matmul_flops": report["matmul_flops"], "flops_per_device": step["flops"],
             "f32_flops": step.get("f32_flops"), "hbm_bytes": step["hbm_bytes"],
-            "time": t, "predicted_s": t["roofline_s"], "bound": t["bound"],
-            "measured_over_predicted": s / t["roofline_s"], "gate_wall_s": wall_s}
+            "time": t, "floor_s": t["roofline_s"], "bound": t["bound"], "forecast": f,
+            "forecast_s": f["s_per_step"], "forecast_error": f["s_per_step"] / s - 1,
+            "calibration": f["calibration"], "gate_wall_s": wall_s}
+
+
+def cpu_row(name: str, steps: int, overrides: list[str]) -> dict:
+    """A CPU job timed in a process of its own (bench/time_step.py), its forecast beside."""
+    cmd = [sys.executable, str(Path(__file__).parent / "time_step.py"), str(steps), *overrides]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=os.environ)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    f = got["forecast"]
+    return {"job": name, "card": "cpu", "cpu": _cpu(), "measured_s": got["measured_s"],
+            "seconds": got["seconds"], "forecast": f, "forecast_s": f["s_per_step"],
+            "floor_s": got["floor_s"], "forecast_error": f["s_per_step"] / got["measured_s"] - 1,
+            "calibration": f["calibration"], "temp_bytes": got["temp_bytes"],
+            "minor_faults_per_step": got["minor_faults_per_step"], "overrides": overrides,
+            "commit": _commit()}
+
+
+def _cpu() -> str:
+    from pdecomp.gate.calibration import cpu_model
+
+    return f"{cpu_model()} x {os.cpu_count()}"
+
+
+def _commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False,
+                          capture_output=True, text=True,
+                          cwd=Path(__file__).parent).stdout.strip()
+
+
+def record(rows: dict[str, dict]) -> None:
+    data = json.loads(RESULTS.read_text())  # other benches may have written meanwhile
+    data["time_model"] = {"command": "bench/bench_time_model.py [--cpu]",
+                          "rows": list(rows.values())}
+    RESULTS.write_text(json.dumps(data, indent=1, default=str) + "\n")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, required=True, help="SmolLM2-135M, Hugging Face form")
-    p.add_argument("--job", action="append", help="only these (default: every one)")
+    p.add_argument("--model", type=Path, help="SmolLM2-135M, Hugging Face form")
+    p.add_argument("--job", action="append", help="only these GPU jobs ('none': no GPU job)")
+    p.add_argument("--cpu", action="store_true", help="the CPU rows too")
     args = p.parse_args()
     measured = {j["job"]: j for j in json.loads(RESULTS.read_text())["gpu"]["jobs"]}
+    rows = {r["job"]: r for r in json.loads(RESULTS.read_text()).get(
+        "time_model", {}).get("rows", [])}
+    for name, (steps, overrides) in CPU_JOBS.items() if args.cpu else ():
+        rows[f"cpu_{name}"] = cpu_row(f"cpu_{name}", steps, overrides)
+        print(json.dumps(rows[f"cpu_{name}"]), flush=True)
+        record(rows)
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
-        model = random_model(args.model, work / "model", None)
-        data = random_tokens(work / "tokens.u16", 49152, 400_000)
+        model = random_model(args.model, work / "model", None) if args.model else None
+        data = random_tokens(work / "tokens.u16", 49152, 400_000) if args.model else None
         table = jobs(model, data)
-        rows = {r["job"]: r for r in json.loads(RESULTS.read_text()).get(
-            "time_model", {}).get("rows", [])}
-        for name in args.job or list(table):
+        for name in [j for j in args.job or list(table) if j != "none"]:
             key, card, overrides = table[name]
             wall, report = gate_only([*overrides, f"gate.target={card}"], str(work / name))
             rows[name] = row(name, card, measured[key], report, wall)
             print(json.dumps(rows[name]), flush=True)
-            data_ = json.loads(RESULTS.read_text())  # other benches may have written meanwhile
-            data_["time_model"] = {"command": "bench/bench_time_model.py --model SMOLLM2_DIR",
-                                   "rows": list(rows.values())}
-            RESULTS.write_text(json.dumps(data_, indent=1, default=str) + "\n")
+            record(rows)
 
 
 if __name__ == "__main__":

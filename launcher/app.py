@@ -298,7 +298,7 @@ def main() -> None:
 
 # Subcommands of their own, not Hydra jobs: `pdecomp <name> ...` -> its module's `main`.
 SUBCOMMANDS = {name: f"launcher.commands.{name}" for name in (
-    "analyze", "convert", "export", "label", "prompt", "tokenize", "view")} | {
+    "analyze", "calibrate", "convert", "export", "label", "prompt", "tokenize", "view")} | {
     "status": "launcher.status"}
 
 

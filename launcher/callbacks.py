@@ -135,11 +135,13 @@ def sweep_table(rows: list[dict[str, Any]]) -> Table:
     failures = any("outcome" in r for r in rows)
     unsettled = any("state" in r for r in rows)
     table = Table(title="sweep summary")
+    seconds = [forecast_s(r.get("gate.json", {})) for r in rows]
+    ranked = sorted(s for s in seconds if s is not None)
     for col in ("job", *swept, *(("state",) if unsettled else ()),
                 *(("exit", "why") if failures else ()), "peak GiB", "temp GiB",
-                "arg GiB", "fits", *keys):
+                "arg GiB", "fits", *(("s/step (forecast)", "rank") if ranked else ()), *keys):
         table.add_column(col)
-    for r in rows:
+    for r, sec in zip(rows, seconds, strict=True):
         values = override_values(r)
         gate = r.get("gate.json", {})
         summary = r.get("summary.json", {})
@@ -150,6 +152,8 @@ def sweep_table(rows: list[dict[str, Any]]) -> Table:
         state = [r.get("state", "ended")] if unsettled else []
         cells = [str(r["job"]), *(values.get(k, "") for k in swept), *state, *status, *sizes,
                  ("yes" if gate.get("fits") else "NO") if gate else "-"]
+        if ranked:  # 1: the fastest step the gates forecast
+            cells += ["-", "-"] if sec is None else [f"{sec:.4g}", str(ranked.index(sec) + 1)]
         for k in keys:
             v = summary.get(k)
             cells.append("-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v)))
@@ -157,11 +161,16 @@ def sweep_table(rows: list[dict[str, Any]]) -> Table:
     return table
 
 
+def forecast_s(gate: dict[str, Any]) -> float | None:
+    """A gate's forecast seconds a step (None: no forecast made)."""
+    return ((gate.get("step") or {}).get("forecast") or {}).get("s_per_step")
+
+
 def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
     """One row per job: swept overrides, gate report (sizes in GiB), results; blank if absent."""
     swept, keys = swept_keys(rows), result_keys(rows)
     fields = ["job", *swept, "exit_code", "reason", *(f"{k}_gib" for k in GATE_SIZES),
-              *GATE_FIELDS, *keys]
+              *GATE_FIELDS, "forecast_s", *keys]
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, restval="")
         writer.writeheader()
@@ -175,6 +184,7 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
                 **{f"{k}_gib": round(gate[f"{k}_bytes"] / GiB, 4)
                    for k in GATE_SIZES if gate.get(f"{k}_bytes") is not None},
                 **{k: gate[k] for k in GATE_FIELDS if k in gate},
+                **({"forecast_s": forecast_s(gate)} if forecast_s(gate) is not None else {}),
                 **{k: summary[k] for k in keys if k in summary},
             })
     return path

@@ -353,6 +353,10 @@ def test_gate_only_writes_report_and_no_summary(env: dict[str, str], tmp_path: P
     assert not (run_dir / "summary.json").exists()
     assert not (run_dir / "checkpoints").exists()
     assert "memory gate" in proc.stderr
+    # every gate prints and records its forecast beside its floor
+    f = gate["step"]["forecast"]
+    assert f["s_per_step"] >= f["floor_s"] > 0
+    assert "forecast step" in proc.stderr and "examples/s" in proc.stderr
 
 
 def test_tiny_hbm_cap_refuses_with_exit_3(env: dict[str, str], tmp_path: Path) -> None:

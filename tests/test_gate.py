@@ -48,6 +48,12 @@ def test_report_fields_and_argument_bytes(tmp_path):
     assert parts["components"] == (5 * 20 + 20 * 2) * 4  # linear2 is tied: owns nothing
     assert report["fits"] and report["n_devices"] == len(jax.devices())
     assert not (tmp_path / "run" / "checkpoints").exists()  # gate only: nothing trained
+    # the forecast, from this CPU's calibration: every part of it, never below its floor
+    f = report["step"]["forecast"]
+    assert f["s_per_step"] >= f["floor_s"] > 0
+    assert f["calibration"]["source"].startswith("measured")
+    assert f["s_per_step"] == pytest.approx(sum(f["breakdown_s"].values()))
+    assert f["kernels"] > 0 and "tokens_per_s" not in f  # a toy's inputs are not tokens
 
 
 @pytest.mark.jax_versions  # XLA's buffer assignment, dump and figures
@@ -153,6 +159,9 @@ def test_deviceless_gpu_targets(tmp_path, gpu, hosts, per_host, gib):
     assert report["peak_bytes"] == (report["temp_bytes"] + report["argument_bytes"]
                                     + report["output_bytes"] - report["alias_bytes"])
     assert jax.default_backend() == "cpu"  # the CUDA compile plugin did not take over
+    f, floor = report["step"]["forecast"], report["step"]["time"]["roofline_s"]
+    assert f["s_per_step"] >= floor and f["calibration"]["device"] == report["target"].split(
+        "deviceless ")[1].split(" x ")[0]  # the card's calibration, not this CPU's
 
 
 @pytest.mark.jax_versions  # XLA's buffer assignment, dump and figures

@@ -103,6 +103,10 @@ def test_gate_only_sweep_over_batch_size(env: dict[str, str], tmp_path: Path) ->
     peaks = [float(r["peak_gib"]) for r in rows]
     assert peaks == sorted(peaks) and peaks[0] < peaks[-1], peaks
     assert all(r["fits"] == "True" for r in rows)
+    # each job's forecast in the CSV, and the table's rank by it (1: the fastest step)
+    seconds = [float(r["forecast_s"]) for r in rows]
+    assert all(s > 0 for s in seconds)
+    assert "forecast" in proc.stdout and "rank" in proc.stdout
     assert png.read_bytes()[:8] == PNG_MAGIC
     assert f"sweep csv: {csv_path}" in proc.stdout
     assert f"memory plot: {png}" in proc.stdout

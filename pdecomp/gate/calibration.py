@@ -3,10 +3,11 @@ reads, by the size of the work, from a microbenchmark of that device
 (pdecomp.gate.microbench) or, for a card nobody has measured, from published figures
 (`source` says which).
 
-A card's file lives beside this module (`calibrations/<card>.json`); the CPU at hand is
-measured the first time a gate needs it and cached under PDECOMP_CALIBRATION_DIR (default
-~/.cache/pdecomp/calibration), keyed by what the rates depend on: the CPU model, its core
-count and jaxlib. PDECOMP_CALIBRATION=FILE names a file to use instead.
+A card's file lives beside this module (`calibrations/<card>.json`); the device at hand is
+measured the first time a gate needs it (pdecomp.gate.microbench.local) and cached under
+PDECOMP_CALIBRATION_DIR (default ~/.cache/pdecomp/calibration), keyed by what the rates
+depend on: the device, the CPU model, its core count and jaxlib. PDECOMP_CALIBRATION=FILE
+names a file to use instead.
 """
 
 from __future__ import annotations
@@ -147,38 +148,3 @@ def cache_path(device_kind: str) -> Path:
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     root = Path(os.environ.get(DIR_VAR) or Path.home() / ".cache" / "pdecomp" / "calibration")
     return root / f"{device_kind.replace(' ', '_').replace('/', '_')}-{digest}.json"
-
-
-def local(device_kind: str) -> Calibration:
-    """The local device's calibration: PDECOMP_CALIBRATION's file, else the cached
-    measurement, else measured now (a few seconds) and cached."""
-    if given := os.environ.get(FILE_VAR):
-        return read(Path(given))
-    path = cache_path(device_kind)
-    if path.is_file():
-        try:
-            return read(path)
-        except ConfigError:
-            pass  # a damaged cache is measured again
-    from pdecomp.gate import microbench  # jax programs: only when one is needed
-
-    cal = microbench.measure()
-    try:
-        write(cal, path)
-    except OSError:
-        pass  # an unwritable cache costs the next gate a measurement, nothing else
-    return cal
-
-
-def for_target(card: str | None, device_kind: str) -> Calibration | None:
-    """The calibration a gate forecasts with: a deviceless card's file, else the local
-    device's (measured, cached). None where the local device cannot be measured: the gate
-    then reports its floor alone."""
-    if card:
-        return for_card(card)
-    try:
-        return local(device_kind)
-    except ConfigError:
-        raise
-    except Exception:  # noqa: BLE001 - a forecast is never a reason to stop a gate
-        return None

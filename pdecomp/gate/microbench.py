@@ -1,38 +1,46 @@
 """A short microbenchmark of the local device: what its kernels achieve by size, written as
 a calibration (pdecomp.gate.calibration) for the gate's forecast.
 
-Each probe is a program of R like kernels in a chain (an optimization barrier between two,
+Each probe is a program of like kernels in a chain (an optimization barrier between two,
 so XLA fuses none of them into the next), timed whole (median of its runs) and read
 through the same kernel count the forecast makes of a train step (pdecomp.gate.forecast),
 so a probe measures exactly the quantities the forecast multiplies:
 
 - the fixed cost of a kernel: 256 kernels of 16 elements, less one of them, per kernel;
   what one program's dispatch costs beside it;
-- matmul FLOP/s at six sizes in float32 and bfloat16 (square products, R in a chain);
+- matmul FLOP/s at six sizes in float32 and four in bfloat16 (square products);
 - memory bytes/s of elementwise kernels (one read, one write) from 64 KiB to 256 MiB;
 - cheap elementwise op-elements/s (32 multiply-adds an element) and transcendentals/s
   (tanh) at three sizes;
-- with several local devices, all-reduce and all-gather over all of them at four sizes
-  (alpha from the smallest, bandwidth by size), as the link within a host.
+- on a CPU, first-touched memory: bytes/s of a run's fresh temporaries;
+- with several local GPUs, all-reduce over all of them at four sizes (alpha from the
+  smallest, bandwidth by size), as the link within a host.
 
-    python -m pdecomp.gate.microbench [-o FILE]    # prints the calibration; -o writes it
+Every chain keeps its temporaries under FRESH_BYTES, so no probe but the first-touch one
+pays for fresh pages: each rate is one quantity.
+
+`pdecomp calibrate [-o FILE]` runs it and prints (or writes) the calibration; a gate runs it
+itself the first time it needs the local device's (`local`), and caches what it measured.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses as dc
+import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pdecomp.gate import forecast
-from pdecomp.gate.calibration import Calibration, Curve, Link, write
+from pdecomp.core.config import ConfigError
+from pdecomp.gate import calibration, forecast
+from pdecomp.gate.calibration import Calibration, Curve, Link
 
 R = 8  # kernels in a probe's chain
 FRESH_BYTES = 32 * 2**20  # glibc's largest mmap threshold
@@ -120,7 +128,7 @@ def memory(launch: float, dispatch: float, sizes_bytes: tuple[int, ...]) -> Curv
     for size in sizes_bytes:
         x = jnp.ones((size // 4,), jnp.float32)
         if 2 * size <= FRESH_BYTES:
-            p = probe(lambda v: v * 1.0001 + 1e-4, (x,), lambda k: k.bytes >= size, launch,
+            p = probe(lambda v: v * 1.0001 + 1e-4, (x,), lambda k, size=size: k.bytes >= size, launch,
                       dispatch)
             points.append((float(p.kernel.bytes), p.kernel.bytes / p.seconds))
         else:
@@ -129,29 +137,36 @@ def memory(launch: float, dispatch: float, sizes_bytes: tuple[int, ...]) -> Curv
     return Curve(tuple(points))
 
 
-def _donated(x: Any, donate: bool = True) -> float:
-    """Median seconds of one elementwise kernel over `x`, written over `x` (donated) or
-    into a fresh output."""
-    fn = jax.jit(lambda v: v * 1.0001 + 1e-4, donate_argnums=(0,) if donate else ())
+def _donated(x: Any) -> float:
+    """Median seconds of one elementwise kernel over `x`, written over `x` (donated: no
+    fresh memory)."""
+    fn = jax.jit(lambda v: v * 1.0001 + 1e-4, donate_argnums=(0,))
     x = fn(x)
     times = []
     for _ in range(7):
         t = time.perf_counter()
-        y = fn(x)
-        jax.block_until_ready(y)
+        x = fn(x)
+        jax.block_until_ready(x)
         times.append(time.perf_counter() - t)
-        if donate:
-            x = y
     return statistics.median(times)
 
 
-def fresh_rate(size: int) -> float:
-    """Bytes/s of memory a run allocates and first touches (XLA:CPU's temporaries and
-    outputs above FRESH_BYTES: glibc's malloc maps them anew each run, and each page
-    faults once): one kernel into a fresh output, less the same over its input."""
-    x = jnp.ones((size // 4,), jnp.float32)
-    extra = _donated(x, donate=False) - _donated(jnp.ones((size // 4,), jnp.float32))
-    return size / extra if extra > 0 else 0.0
+def fresh_rate(cal: Calibration, buffer_bytes: int, n: int) -> float:
+    """Bytes/s of memory a run allocates and first touches: XLA:CPU allocates a run's
+    temporaries anew each run and, above FRESH_BYTES, glibc's malloc maps them anew, so each
+    page faults once. The probe is a step's pattern: n kernels, each writing a buffer of its
+    own, all live at once; its time beyond its kernels' forecast (at `cal`, measured without
+    first touches), per byte of its temporaries."""
+    x = jnp.ones((buffer_bytes // 4,), jnp.float32)
+
+    def fn(v):
+        ys = lax.optimization_barrier([v * (1.0 + i / n) for i in range(n)])
+        return sum(ys[1:], ys[0])
+
+    t, ks, temp = _timed(fn, (x,))
+    kernels_s = cal.dispatch_s + sum(k.runs * sum(forecast.kernel_seconds(k, cal).values())
+                                     for k in ks)
+    return temp / (t - kernels_s) if t > kernels_s and temp >= FRESH_BYTES else 0.0
 
 
 def elementwise(launch: float, dispatch: float, mem: Curve, n_elements: tuple[int, ...],
@@ -172,7 +187,7 @@ def elementwise(launch: float, dispatch: float, mem: Curve, n_elements: tuple[in
     points = []
     for n in n_elements:
         x = jnp.full((n,), 0.5, jnp.float32)
-        p = probe(tanhs if transcendental else many_ops, (x,), lambda k: k.bytes >= 8 * n,
+        p = probe(tanhs if transcendental else many_ops, (x,), lambda k, n=n: k.bytes >= 8 * n,
                   launch, dispatch)
         count = p.kernel.transcendentals if transcendental else p.kernel.ops
         points.append((float(count), count / p.seconds))
@@ -211,31 +226,48 @@ def measure() -> Calibration:
         "bfloat16": (128, 512, 1024, 2048) + ((4096, 8192) if big else ())})
     mem = memory(launch, dispatch, tuple(2 ** p for p in range(16, 29, 2)))
     sizes = (1 << 14, 1 << 18, 1 << 21) + ((1 << 24,) if big else ())
-    return Calibration(
+    cal = Calibration(
         device=device.device_kind, source=f"measured by pdecomp.gate.microbench, jax "
         f"{jax.__version__}, {time.strftime('%Y-%m-%d')}", launch_s=launch,
         dispatch_s=dispatch, matmul=mm, memory=mem,
-        fresh_bytes_rate=statistics.median(
-            fresh_rate(1 << p) for p in (25, 26, 27) for _ in range(2))
-        if device.platform == "cpu" else 0.0,
         elementwise=elementwise(launch, dispatch, mem, sizes, False),
         transcendental=elementwise(launch, dispatch, mem, sizes, True),
         links=links((1 << 12, 1 << 20, 1 << 24, 1 << 27)))
+    if device.platform != "cpu":  # a GPU's allocator keeps one pool, taken at start
+        return cal
+    fresh = [fresh_rate(cal, size, n) for size, n in ((1 << 21, 48), (1 << 23, 16))
+             for _ in range(2)]
+    return dc.replace(cal, fresh_bytes_rate=statistics.median(fresh))
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("-o", "--out", help="write the calibration here (JSON)")
-    args = p.parse_args(argv)
+def local(device_kind: str) -> Calibration:
+    """The local device's calibration: PDECOMP_CALIBRATION's file, else the cached
+    measurement, else measured now (a few seconds) and cached."""
+    if given := os.environ.get(calibration.FILE_VAR):
+        return calibration.read(Path(given))
+    path = calibration.cache_path(device_kind)
+    if path.is_file():
+        try:
+            return calibration.read(path)
+        except ConfigError:
+            pass  # a damaged cache is measured again
     cal = measure()
-    if args.out:
-        from pathlib import Path
-
-        write(cal, Path(args.out))
-    import json
-
-    print(json.dumps(cal.to_json(), indent=1))
+    try:
+        calibration.write(cal, path)
+    except OSError:
+        pass  # an unwritable cache costs the next gate a measurement, nothing else
+    return cal
 
 
-if __name__ == "__main__":
-    main()
+def for_target(card: str | None, device_kind: str) -> Calibration | None:
+    """The calibration a gate forecasts with: a deviceless card's file, else the local
+    device's (measured, cached). None where the local device cannot be measured: the gate
+    then reports its floor alone."""
+    if card:
+        return calibration.for_card(card)
+    try:
+        return local(device_kind)
+    except ConfigError:
+        raise
+    except Exception:  # noqa: BLE001 - a forecast is never a reason to stop a gate
+        return None

@@ -22,7 +22,7 @@ from pdecomp.core import hardware, sharding
 from pdecomp.core.memory import SITE_LAYER_SAVES
 from pdecomp.core.units import fmt_bytes
 from pdecomp.gate import compiled as gate_lib
-from pdecomp.gate import calibration, fit
+from pdecomp.gate import fit, microbench
 from pdecomp.gate.report import GateReport
 from pdecomp.gate.shapes import OPT_PART_HOST, abstract_run, argument_parts
 from pdecomp.plan.resolve import Run
@@ -210,7 +210,7 @@ def prepare(run: Run, init_key: Array, detach: bool) -> Compiler:
     where = {"cap_bytes": cap, "cap_source": cap_source, "target": target_name(run, mesh),
              "mesh": dict(mesh.shape), "hosts": len({d.process_index for d in mesh.devices.flat}),
              "gpu": hardware.spec_of(run.placement.target, mesh.devices.flat[0].device_kind),
-             "calibration": calibration.for_target(run.placement.target if
+             "calibration": microbench.for_target(run.placement.target if
                                                    run.placement.deviceless else None,
                                                    mesh.devices.flat[0].device_kind)}
     return Compiler(layout, target_abs, state_abs, where,

@@ -1,0 +1,66 @@
+"""One run's train step on this machine: gated as `pdecomp` gates it (its forecast made from
+this device's calibration), then the very executable timed, nothing else in the loop.
+
+    .venv/bin/python bench/time_step.py STEPS [OVERRIDES...]
+
+Prints one JSON line: the median and every step's seconds (three warm-up steps first, on
+batches drawn before timing), the gate's forecast and floor, minor page faults a step.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+
+from launcher import api
+from pdecomp.gate.shapes import load_target
+from pdecomp.gate.step import gate
+from pdecomp.run.checkpoint import Checkpointer
+from pdecomp.run.decompose import prepare
+from pdecomp.run.loop import initial_state
+
+WARMUP = 3
+
+
+def timed(overrides: list[str], steps: int, work: Path) -> dict:
+    run = prepare(api.compose(["logging.wandb.mode=disabled", *overrides]))
+    g = gate(run, work, False, lambda _: None)
+    target, _ = load_target(g.run, g.target_abs, lambda _: None)
+    state, _ = initial_state(g, target, Checkpointer(work / "ck", writer=True), lambda _: None)
+    c = g.run.config
+    sample = g.run.kind.batch_sampler(c.model, c.data, c.seed, g.batch_sharding, g.data_key)
+    batches = [sample(i) for i in range(WARMUP + steps)]
+    jax.block_until_ready(batches)
+    for b in batches[:WARMUP]:
+        state, m = g.compiled(state, target, b)
+        jax.block_until_ready((state, m))
+    seconds = []
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for b in batches[WARMUP:]:
+        t = time.perf_counter()
+        state, m = g.compiled(state, target, b)
+        jax.block_until_ready((state, m))
+        seconds.append(time.perf_counter() - t)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    step = g.report.step
+    return {"measured_s": statistics.median(seconds), "seconds": seconds,
+            "forecast": step.get("forecast"), "floor_s": step["forecast"]["floor_s"],
+            "peak_bytes": g.report.peak_bytes, "temp_bytes": g.report.temp_bytes,
+            "minor_faults_per_step": faults / steps, "overrides": overrides}
+
+
+def main() -> None:
+    steps, overrides = int(sys.argv[1]), sys.argv[2:]
+    with tempfile.TemporaryDirectory() as d:
+        print(json.dumps(timed(overrides, steps, Path(d))), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""The gate's forecast (pdecomp.gate.forecast): the kernels it reads from a compiled module,
+the calibration it reads them at, and that no forecast is below its floor."""
+
+from __future__ import annotations
+
+import dataclasses as dc
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import run_on_cpu_devices
+from jax import lax
+from test_step_cost import STEP
+
+from pdecomp.core import hardware
+from pdecomp.core.config import ConfigError
+from pdecomp.gate import calibration, forecast, microbench, step_cost
+from pdecomp.gate.calibration import Calibration, Curve
+
+M, K, N = 64, 96, 32
+
+
+def compiled_text(fn, *args) -> str:
+    return jax.jit(fn).lower(*args).compile().as_text()
+
+
+def mlp_step(w1, w2, x):
+    """A small training step: forward, backward, update; a loop of 3 over layers."""
+
+    def loss(ws):
+        h = jnp.tanh(x @ ws[0])
+        y, _ = lax.scan(lambda c, _: (jnp.tanh(c @ ws[1]), None), h, None, length=3)
+        return jnp.mean(y ** 2)
+
+    grads = jax.grad(loss)((w1, w2))
+    return jax.tree.map(lambda w, g: w - 1e-3 * g, (w1, w2), grads)
+
+
+PROGRAMS = {
+    "mlp_step": (mlp_step, (jnp.ones((K, N)), jnp.ones((N, N)), jnp.ones((M, K)))),
+    "bf16_matmul_chain": (lambda a, b: lax.optimization_barrier(a @ b) @ b.T,
+                          (jnp.ones((M, K), jnp.bfloat16), jnp.ones((K, K), jnp.bfloat16))),
+    "elementwise": (lambda x: jnp.exp(jnp.sin(x) * 2.0).sum(), (jnp.ones((4096,)),)),
+}
+
+
+def test_a_matmul_and_an_elementwise_kernel_are_read_as_the_forecast_counts_them() -> None:
+    def fn(a, b):
+        y = lax.optimization_barrier(a @ b)
+        return jnp.tanh(y * 2.0 + 1.0)
+
+    ks = forecast.kernels(compiled_text(fn, jnp.ones((M, K)), jnp.ones((K, N))), 1)
+    (mm,) = [k for k in ks if k.flops]
+    assert mm.flops == 2 * M * K * N and mm.dtype == "float32" and mm.runs == 1
+    (ew,) = [k for k in ks if k.transcendentals]
+    assert ew.transcendentals == M * N  # one tanh an element
+    assert ew.ops >= 2 * M * N  # the multiply and the add
+    assert ew.bytes == 2 * M * N * 4  # read once, written once
+
+
+def test_a_loops_kernels_count_its_trip_count() -> None:
+    def fn(x, w):
+        return lax.fori_loop(0, 5, lambda i, c: jnp.tanh(c @ w), x)
+
+    ks = forecast.kernels(compiled_text(fn, jnp.ones((M, K)), jnp.ones((K, K))), 1)
+    assert sum(k.runs * k.flops for k in ks) == 5 * 2 * M * K * K
+
+
+def test_a_curve_is_log_linear_between_its_points_and_flat_beyond_them() -> None:
+    c = Curve(((1e3, 1e9), (1e5, 1e11)))
+    assert c(1e4) == pytest.approx(1e10)  # halfway in log size: halfway in log rate
+    assert c(10) == 1e9 and c(1e9) == 1e11 and c.peak == 1e11
+
+
+@pytest.fixture(scope="module")
+def local() -> Calibration:
+    """This CPU's calibration, as the gate takes it (measured once a test run, cached)."""
+    return microbench.local(jax.devices()[0].device_kind)
+
+
+def test_the_microbenchmark_measures_every_rate_the_forecast_reads(local) -> None:
+    assert local.source.startswith("measured") and local.launch_s > 0
+    assert set(local.matmul) == {"float32", "bfloat16"}
+    for curve in (*local.matmul.values(), local.memory, local.elementwise,
+                  local.transcendental):
+        sizes = [s for s, _ in curve.points]
+        assert sizes == sorted(sizes) and all(r > 0 for _, r in curve.points)
+    assert len(local.matmul["float32"].points) >= 6 and len(local.memory.points) >= 6
+    # physics: no 2-core-class CPU multiplies faster than 10 TFLOP/s or copies faster than
+    # 10 TB/s (a figure beyond those would be a timing error, not a fast machine)
+    assert local.matmul["float32"].peak < 1e13 and local.memory.peak < 1e13
+    assert local.fresh_bytes_rate > 0  # XLA:CPU maps large temporaries anew each run
+
+
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+@pytest.mark.parametrize("card", [None, *sorted(hardware.GPUS)])
+def test_no_forecast_is_below_its_floor(program: str, card: str | None, local) -> None:
+    fn, args = PROGRAMS[program]
+    text = compiled_text(fn, *args)
+    cal = local if card is None else calibration.for_card(card)
+    f = forecast.forecast(text, 1, 1, cal, fresh_bytes=1 << 30)
+    assert f["s_per_step"] >= f["floor_s"] > 0
+    assert f["s_per_step"] == pytest.approx(sum(f["breakdown_s"].values()))
+    if card:  # nor below the roofline at the card's published rates
+        roof = step_cost.roofline(step_cost.measure(text, 1), hardware.GPUS[card])
+        assert f["s_per_step"] >= roof["roofline_s"]
+
+
+def test_collectives_are_forecast_by_their_link(local) -> None:
+    """A sharded step's collectives (tests/test_step_cost.py's hand-counted one) at the
+    card's link rates: across hosts slower than within one."""
+    measured = "print(json.dumps(step_cost.measure(step.lower(x, W).compile().as_text(), 8, "
+    script = STEP.replace(measured + "hosts=2)))",
+                          "print(json.dumps(step.lower(x, W).compile().as_text()))")
+    assert script != STEP
+    text = run_on_cpu_devices(script, 8)
+    h100 = calibration.for_card("h100")
+    one_host = forecast.forecast(text, 8, 1, h100)
+    two_hosts = forecast.forecast(text, 8, 2, h100)
+    assert one_host["breakdown_s"]["collectives"] > 0
+    assert two_hosts["breakdown_s"]["collectives"] > one_host["breakdown_s"]["collectives"]
+    assert two_hosts["s_per_step"] >= two_hosts["floor_s"]
+
+
+def test_every_card_has_a_calibration_file_that_says_where_its_figures_come_from() -> None:
+    for card, spec in hardware.GPUS.items():
+        cal = calibration.for_card(card)
+        assert cal.device == spec.name and cal.source
+        assert cal.matmul["bfloat16"].peak <= spec.bf16_flops
+        assert cal.matmul["float32"].peak <= spec.tf32_flops
+        assert cal.memory.peak <= spec.memory_bandwidth
+        assert set(cal.links) == {"nvlink", "network"}
+
+
+def test_a_calibration_round_trips_and_a_damaged_file_is_named(tmp_path: Path, local,
+                                                                monkeypatch) -> None:
+    path = tmp_path / "cal.json"
+    calibration.write(local, path)
+    assert calibration.read(path) == local
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**local.to_json(), "memory": {"points": "fast"}}))
+    monkeypatch.setenv(calibration.FILE_VAR, str(bad))
+    with pytest.raises(ConfigError, match="PDECOMP_CALIBRATION"):
+        microbench.local("cpu")
+    monkeypatch.setenv(calibration.FILE_VAR, str(path))
+    assert microbench.local("cpu") == local
+
+
+def test_first_touched_memory_is_counted_only_above_the_threshold(local) -> None:
+    fn, args = PROGRAMS["elementwise"]
+    text = compiled_text(fn, *args)
+    cal = dc.replace(local, fresh_bytes_rate=1e9, fresh_threshold_bytes=1 << 20)
+    below = forecast.forecast(text, 1, 1, cal, fresh_bytes=1 << 19)
+    above = forecast.forecast(text, 1, 1, cal, fresh_bytes=1 << 30)
+    assert below["breakdown_s"]["fresh_memory"] == 0
+    assert above["breakdown_s"]["fresh_memory"] == pytest.approx((1 << 30) / 1e9)
+
+
+def test_calibrate_writes_a_calibration_and_refuses_what_it_would_overwrite(
+        tmp_path: Path, env: dict[str, str]) -> None:
+    from conftest import pdecomp
+
+    mine = tmp_path / "notes.json"
+    mine.write_text('{"mine": true}')
+    proc = pdecomp(["calibrate", "-o", str(mine)], tmp_path, env)
+    assert proc.returncode == 2 and "not a calibration file" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and mine.read_text() == '{"mine": true}'
+    proc = pdecomp(["calibrate", "-o", str(tmp_path)], tmp_path, env)
+    assert proc.returncode == 2 and "a file to write" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.json"]  # nothing written
+    out = tmp_path / "new" / "cpu.json"
+    proc = pdecomp(["calibrate", "-o", str(out)], tmp_path, env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cal = calibration.read(out)
+    assert cal.source.startswith("measured") and cal.matmul["float32"].peak > 0
