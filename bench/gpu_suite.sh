@@ -2,6 +2,7 @@
 # The GPU suite on a machine with a GPU and no network, from files prepared on a CPU
 # machine (`make gpu-suite-files`; bench/RESULTS.md, "On a GPU", says how):
 #
+#   Every phase first measures the card (OUT/calibration.json, pdecomp.gate.microbench).
 #   bench/gpu_suite.sh speed OUT     pdecomp beside the reference, the gate beside the
 #                                    measured peak
 #   bench/gpu_suite.sh quality OUT   the robust recipe on SmolLM2, reported as VPD reports
@@ -49,6 +50,13 @@ unpack() {  # archive, destination
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
   | tee "$out/device.txt" || true
+# First the card's calibration (pdecomp.gate.microbench, about a minute): the file that
+# replaces pdecomp/gate/calibrations/<card>.json, and what this run's gates forecast with.
+if [ ! -e "$out/calibration.json" ]; then
+  "$py" -c "import sys; from pathlib import Path; from pdecomp.gate import calibration, microbench
+calibration.write(microbench.measure(), Path(sys.argv[1]))" "$out/calibration.json"
+fi
+export PDECOMP_CALIBRATION="$out/calibration.json"
 if [ "$phase" = speed ] || [ "$phase" = all ]; then
   unpack spd.tar.xz "$state/spd"
   unpack smollm2-meta.tar.xz "$state/meta"

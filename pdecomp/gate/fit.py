@@ -139,12 +139,13 @@ def _seconds(report: GateReport) -> float:
 def fit_mesh(compile_at: Callable[[int], tuple[Any, GateReport]], models: list[int]
              ) -> tuple[int, Any, GateReport]:
     """The model-axis size among `models` (the other devices on the data axis) whose step
-    fits under the cap in the least time forecast from its compiled module (`step.forecast`,
-    at the target's calibration; its floor `step.time` where there is none). Every candidate is compiled: the peak
-    and the time both move with the split, neither monotonically.
+    fits under the cap in the least time forecast from its compiled module
+    (`step.forecast`, at the target's calibration; its floor `step.time` where there is
+    none). Every candidate is compiled: the peak and the time both move with the split,
+    neither monotonically.
 
     Returns the size with its executable and report, whose `fit` entry lists every split
-    with its peak and predicted time; a refusal returns the split of the least peak."""
+    with its peak, forecast and floor; a refusal returns the split of the least peak."""
     tried = {m: compile_at(m) for m in sorted(set(models))}
     fitting = [m for m, (_, r) in tried.items() if r.fits]
     if fitting:

@@ -12,9 +12,10 @@ its matmul rate the one measured for its operands' dtype at its FLOPs, its memor
 one measured for its bytes, its ops rate for its op count: a kernel is bound by its compute
 or by its memory, never both at once. Kernels run one after another (XLA:GPU's stream
 does; XLA:CPU may run two independent kernels at once, which its measured rates, taken
-with every core busy, already account for). On a CPU, a run's temporaries are allocated anew and their pages first touched each run,
-at the measured rate of that (`fresh_memory`). Collectives are forecast serial with compute
-(`collectives_overlap` 0: the peers' measured 8B step overlapped 16% of its gathers).
+with every core busy, already account for). On a CPU, a run's temporaries are allocated
+anew and their pages first touched each run, at the measured rate of that
+(`fresh_memory`). Collectives are forecast serial with compute (`collectives_overlap` 0:
+the peers' measured 8B step overlapped 16% of its gathers).
 
 The floor beside it is the same work at the calibration's best rates with every kernel
 free and everything overlapped: no forecast is below it.

@@ -128,8 +128,8 @@ def memory(launch: float, dispatch: float, sizes_bytes: tuple[int, ...]) -> Curv
     for size in sizes_bytes:
         x = jnp.ones((size // 4,), jnp.float32)
         if 2 * size <= FRESH_BYTES:
-            p = probe(lambda v: v * 1.0001 + 1e-4, (x,), lambda k, size=size: k.bytes >= size, launch,
-                      dispatch)
+            p = probe(lambda v: v * 1.0001 + 1e-4, (x,),
+                      lambda k, size=size: k.bytes >= size, launch, dispatch)
             points.append((float(p.kernel.bytes), p.kernel.bytes / p.seconds))
         else:
             t = _donated(x)

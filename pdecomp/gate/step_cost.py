@@ -112,8 +112,10 @@ def _split_shape(rest: str) -> tuple[str, str]:
     return rest, ""
 
 
+@functools.lru_cache(maxsize=1)  # the gate's cost and forecast read the same module
 def parse(text: str) -> tuple[dict[str, list[Instruction]], str]:
-    """The module's computations (name -> instructions) and the entry's name."""
+    """The module's computations (name -> instructions) and the entry's name (not to be
+    changed by a caller: the result is shared)."""
     computations: dict[str, list[Instruction]] = {}
     entry, current = "", None
     for line in text.splitlines():
