@@ -7,8 +7,9 @@ from microbenchmarks only, never fitted to these jobs; rows go into bench/result
   card's calibration file (pdecomp/gate/calibrations), beside the measured step and the floor
   (the roofline at the card's published rates, pdecomp.gate.step_cost).
 - CPU rows (`--cpu`): the TMS 5-2 step and the SmolLM2 layer-28 step measured here
-  (bench/time_step.py: the gated executable timed, median of its steps) beside the forecast the
-  same gate made with this CPU's calibration (measured by pdecomp.gate.microbench, cached).
+  (bench/time_step.py: the gated executable timed, median of its steps, in three processes)
+  beside the forecast the same gate made with this CPU's calibration (measured by
+  pdecomp.gate.microbench the first time, then cached; `--recalibrate` measures it anew).
 
     .venv/bin/python bench/bench_time_model.py                  # every GPU job
     .venv/bin/python bench/bench_time_model.py --cpu --job none # the CPU rows only
@@ -90,18 +91,24 @@ def row(name: str, card: str, measured: dict, report: dict, wall_s: float) -> di
             "calibration": f["calibration"], "gate_wall_s": wall_s}
 
 
-def cpu_row(name: str, steps: int, overrides: list[str]) -> dict:
-    """A CPU job timed in a process of its own (bench/time_step.py), its forecast beside."""
+def cpu_row(name: str, steps: int, overrides: list[str], repeats: int = 3) -> dict:
+    """A CPU job timed in `repeats` processes of its own (bench/time_step.py), the median
+    of their medians against the forecast (the same each time: one cached calibration)."""
     cmd = [sys.executable, str(Path(__file__).parent / "time_step.py"), str(steps), *overrides]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=os.environ)
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    f = got["forecast"]
-    return {"job": name, "card": "cpu", "cpu": _cpu(), "measured_s": got["measured_s"],
-            "seconds": got["seconds"], "forecast": f, "forecast_s": f["s_per_step"],
-            "floor_s": got["floor_s"], "forecast_error": f["s_per_step"] / got["measured_s"] - 1,
-            "calibration": f["calibration"], "temp_bytes": got["temp_bytes"],
-            "minor_faults_per_step": got["minor_faults_per_step"], "overrides": overrides,
-            "commit": _commit()}
+    runs = []
+    for _ in range(repeats):
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=os.environ)
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    measured = sorted(r["measured_s"] for r in runs)[len(runs) // 2]
+    f = runs[-1]["forecast"]
+    return {"job": name, "card": "cpu", "cpu": _cpu(), "measured_s": measured,
+            "runs_s": [r["measured_s"] for r in runs], "seconds": [r["seconds"] for r in runs],
+            "forecast": f, "forecast_s": f["s_per_step"], "floor_s": runs[-1]["floor_s"],
+            "forecast_error": f["s_per_step"] / measured - 1,
+            "errors_by_run": [f["s_per_step"] / r["measured_s"] - 1 for r in runs],
+            "calibration": f["calibration"], "temp_bytes": runs[-1]["temp_bytes"],
+            "minor_faults_per_step": runs[-1]["minor_faults_per_step"],
+            "overrides": overrides, "commit": _commit()}
 
 
 def _cpu() -> str:
@@ -128,7 +135,13 @@ def main() -> None:
     p.add_argument("--model", type=Path, help="SmolLM2-135M, Hugging Face form")
     p.add_argument("--job", action="append", help="only these GPU jobs ('none': no GPU job)")
     p.add_argument("--cpu", action="store_true", help="the CPU rows too")
+    p.add_argument("--recalibrate", action="store_true",
+                   help="measure this CPU's calibration anew first (pdecomp calibrate)")
     args = p.parse_args()
+    if args.cpu and args.recalibrate:
+        from pdecomp.gate import calibration, microbench
+
+        calibration.write(microbench.measure(), calibration.cache_path("cpu"))
     measured = {j["job"]: j for j in json.loads(RESULTS.read_text())["gpu"]["jobs"]}
     rows = {r["job"]: r for r in json.loads(RESULTS.read_text()).get(
         "time_model", {}).get("rows", [])}
