@@ -7,7 +7,9 @@ from microbenchmarks only, never fitted to these jobs; rows go into bench/result
   card's calibration file (pdecomp/gate/calibrations), beside the measured step and the floor
   (the roofline at the card's published rates, pdecomp.gate.step_cost).
 - CPU rows (`--cpu`): the TMS 5-2 step and the SmolLM2 layer-28 step measured here
-  (bench/time_step.py: the gated executable timed, median of its steps, in three processes)
+  (bench/time_step.py: the gated executable timed, median of its steps, in three processes;
+  in a `pdecomp` job's process, which reuses a step's temporaries, and in a library
+  caller's, `_library`, which maps them anew each step)
   beside the forecast the same gate made with this CPU's calibration (measured by
   pdecomp.gate.microbench the first time, then cached; `--recalibrate` measures it anew).
 
@@ -91,10 +93,13 @@ def row(name: str, card: str, measured: dict, report: dict, wall_s: float) -> di
             "calibration": f["calibration"], "gate_wall_s": wall_s}
 
 
-def cpu_row(name: str, steps: int, overrides: list[str], repeats: int = 3) -> dict:
-    """A CPU job timed in `repeats` processes of its own (bench/time_step.py), the median
-    of their medians against the forecast (the same each time: one cached calibration)."""
-    cmd = [sys.executable, str(Path(__file__).parent / "time_step.py"), str(steps), *overrides]
+def cpu_row(name: str, steps: int, overrides: list[str], library: bool,
+            repeats: int = 3) -> dict:
+    """A CPU job timed in `repeats` processes of its own (bench/time_step.py: a `pdecomp`
+    job's process, or with `library` a library caller's), the median of their medians
+    against the forecast (the same each time: one cached calibration)."""
+    cmd = [sys.executable, str(Path(__file__).parent / "time_step.py"),
+           *(["--library"] if library else []), str(steps), *overrides]
     runs = []
     for _ in range(repeats):
         out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=os.environ)
@@ -146,9 +151,11 @@ def main() -> None:
     rows = {r["job"]: r for r in json.loads(RESULTS.read_text()).get(
         "time_model", {}).get("rows", [])}
     for name, (steps, overrides) in CPU_JOBS.items() if args.cpu else ():
-        rows[f"cpu_{name}"] = cpu_row(f"cpu_{name}", steps, overrides)
-        print(json.dumps(rows[f"cpu_{name}"]), flush=True)
-        record(rows)
+        for library in (False, True):
+            key = f"cpu_{name}{'_library' * library}"
+            rows[key] = cpu_row(key, steps, overrides, library)
+            print(json.dumps(rows[key]), flush=True)
+            record(rows)
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
         model = random_model(args.model, work / "model", None) if args.model else None

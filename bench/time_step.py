@@ -1,7 +1,12 @@
 """One run's train step on this machine: gated as `pdecomp` gates it (its forecast made from
 this device's calibration), then the very executable timed, nothing else in the loop.
 
-    .venv/bin/python bench/time_step.py STEPS [OVERRIDES...]
+    .venv/bin/python bench/time_step.py [--library] STEPS [OVERRIDES...]
+
+By default the process is a `pdecomp` job's: the launcher's host switches (launcher/host.py:
+programs run inline, freed blocks kept, so a CPU step reuses its temporaries) and the gate
+told so. `--library`: a library caller's process, left as it is (each CPU step maps its
+temporaries anew).
 
 Prints one JSON line: the median and every step's seconds (three warm-up steps first, on
 batches drawn before timing), the gate's forecast and floor, minor page faults a step.
@@ -19,7 +24,7 @@ from pathlib import Path
 
 import jax
 
-from launcher import api
+from launcher import api, host
 from pdecomp.gate.shapes import load_target
 from pdecomp.gate.step import gate
 from pdecomp.run.checkpoint import Checkpointer
@@ -29,10 +34,14 @@ from pdecomp.run.loop import initial_state
 WARMUP = 3
 
 
-def timed(overrides: list[str], steps: int, work: Path) -> dict:
+def timed(overrides: list[str], steps: int, work: Path, job: bool) -> dict:
+    if job:
+        host.run_programs_inline()  # before JAX starts its backend, as launcher/job.py
     run = prepare(api.compose(["logging.wandb.mode=disabled", *overrides]))
-    g = gate(run, work, False, lambda _: None)
+    g = gate(run, work, False, lambda _: None, temporaries_reused=job)
     target, _ = load_target(g.run, g.target_abs, lambda _: None)
+    if job:
+        host.keep_freed_blocks_on_cpu()
     state, _ = initial_state(g, target, Checkpointer(work / "ck", writer=True), lambda _: None)
     c = g.run.config
     sample = g.run.kind.batch_sampler(c.model, c.data, c.seed, g.batch_sharding, g.data_key)
@@ -53,13 +62,15 @@ def timed(overrides: list[str], steps: int, work: Path) -> dict:
     return {"measured_s": statistics.median(seconds), "seconds": seconds,
             "forecast": step.get("forecast"), "floor_s": step["forecast"]["floor_s"],
             "peak_bytes": g.report.peak_bytes, "temp_bytes": g.report.temp_bytes,
-            "minor_faults_per_step": faults / steps, "overrides": overrides}
+            "minor_faults_per_step": faults / steps, "overrides": overrides, "job": job}
 
 
 def main() -> None:
-    steps, overrides = int(sys.argv[1]), sys.argv[2:]
+    args = sys.argv[1:]
+    library = bool(args) and args[0] == "--library"
+    steps, overrides = int(args[library]), args[library + 1:]
     with tempfile.TemporaryDirectory() as d:
-        print(json.dumps(timed(overrides, steps, Path(d))), flush=True)
+        print(json.dumps(timed(overrides, steps, Path(d), not library)), flush=True)
 
 
 if __name__ == "__main__":

@@ -255,6 +255,7 @@ class ProgressView:
                      should_stop=job.signals.stop_requested if job.signals else None,
                      detach_gate=not (job.in_slurm or job.multirun),
                      on_target_loaded=host.keep_freed_blocks_on_cpu,
+                     temporaries_reused=True,  # run_programs_inline, keep_freed_blocks
                      quiet_checkpoint_failures=True)
 
     def on_gate(self, report: GateReport) -> None:

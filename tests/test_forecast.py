@@ -175,3 +175,24 @@ def test_calibrate_writes_a_calibration_and_refuses_what_it_would_overwrite(
     assert proc.returncode == 0, proc.stderr[-2000:]
     cal = calibration.read(out)
     assert cal.source.startswith("measured") and cal.matmul["float32"].peak > 0
+
+
+def test_a_job_that_reuses_its_temporaries_is_forecast_without_first_touches(
+        tmp_path: Path) -> None:
+    """The TMS 5-2 step at batch 4096 holds 36 MiB of temporaries: a library caller's
+    process maps them anew every step, a `pdecomp` job's keeps them (launcher/host.py)."""
+    from pdecomp.core.config import RunConfig
+    from pdecomp.gate.step import gate
+    from pdecomp.run.decompose import prepare
+
+    base = RunConfig()
+    cfg = dc.replace(base, model=dc.replace(base.model, cache_dir=str(tmp_path / "cache")),
+                     gate=dc.replace(base.gate, only=True, top_temps=0))
+    run = prepare(cfg)
+    for reused in (False, True):
+        (tmp_path / str(reused)).mkdir()
+    fresh, kept = (gate(run, tmp_path / str(reused), False, lambda _: None, reused)
+                   .report.step["forecast"] for reused in (False, True))
+    assert fresh["breakdown_s"]["fresh_memory"] > 0 == kept["breakdown_s"]["fresh_memory"]
+    assert kept["s_per_step"] == pytest.approx(
+        fresh["s_per_step"] - fresh["breakdown_s"]["fresh_memory"])

@@ -81,7 +81,8 @@ def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, 
                        top_temps: int = 0, detach: bool = False, hosts: int = 1,
                        gpu: hardware.GpuSpec | None = None,
                        calibration: Calibration | None = None,
-                       tokens_per_step: int | None = None) -> tuple[Any, GateReport]:
+                       tokens_per_step: int | None = None,
+                       fresh_temporaries: bool = True) -> tuple[Any, GateReport]:
     """Lower and compile `fn` on abstract `args`; return the executable and the gate report.
 
     `out_shardings` pins the state's layout to its input layout, so the executable can be fed
@@ -94,6 +95,10 @@ def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, 
     the executable is None and there is no `xla_peak_bytes` (None). The sizes are those
     `memory_analysis()` reports (the same allocations, summed the same way); `parts`, the
     argument bytes per device, checks the reading (see `xla_dump.compile_detached`).
+
+    With `calibration` the report's step has its forecast; `fresh_temporaries`: each run
+    maps its temporaries anew (a CPU process without the launcher's host switches), which
+    the forecast counts as first-touched memory.
     """
     t0 = time.perf_counter()
     traced = jax.jit(fn, donate_argnums=donate_argnums,
@@ -133,7 +138,8 @@ def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, 
         xla_flags=os.environ.get("XLA_FLAGS", ""), argument_parts_bytes=parts or {},
         largest_temps=temps, step=step_report(
             text, math.prod(mesh.values()), hosts, gpu, calibration,
-            fresh_bytes=temp + out - alias, tokens_per_step=tokens_per_step))
+            fresh_bytes=temp + out - alias if fresh_temporaries else 0,
+            tokens_per_step=tokens_per_step))
     return compiled, report
 
 

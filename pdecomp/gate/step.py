@@ -129,19 +129,22 @@ class Compiler:
         return compiled, report
 
 
-def gate(run: Run, run_dir: Path, detach: bool, log: Callable[[str], None]) -> Gated:
+def gate(run: Run, run_dir: Path, detach: bool, log: Callable[[str], None],
+         temporaries_reused: bool = False) -> Gated:
     """Compile the run's step (after gate.fit's search), write gate.json, refuse over the
     cap. `detach`: a deviceless gate-only run may report from XLA's buffer assignment and
-    leave code generation running (the front end ends the process)."""
+    leave code generation running (the front end ends the process). `temporaries_reused`:
+    the process keeps a CPU step's temporaries between steps (the forecast counts no
+    first-touched memory)."""
     init_key, data_key = jax.random.split(jax.random.PRNGKey(run.config.seed))
     if run.config.gate.fit == "mesh":
-        run, compiler, compiled, report = search_mesh(run, init_key, log)
+        run, compiler, compiled, report = search_mesh(run, init_key, log, temporaries_reused)
     else:
         # Host-memory (offload) buffers are not told apart in XLA's dump: offload compiles
         # whole.
         detach = (detach and run.config.gate.only and run.config.gate.fit == "none"
                   and run.placement.deviceless and run.config.memory.remat != "offload")
-        compiler = prepare(run, init_key, detach)
+        compiler = prepare(run, init_key, detach, temporaries_reused)
         run, compiled, report = search(run, compiler, log)
     mesh = compiler.layout.mesh
     # the most microbatches: one example per data-axis device in each, and what the
@@ -197,7 +200,8 @@ def evaluation_programs(run: Run, components_abs: Any, replicated: NamedSharding
     return out
 
 
-def prepare(run: Run, init_key: Array, detach: bool) -> Compiler:
+def prepare(run: Run, init_key: Array, detach: bool, temporaries_reused: bool = False
+            ) -> Compiler:
     """The run's mesh, its abstract target and state placed on it, the cap: what compiles
     the run's step."""
     mesh = sharding.make_mesh(run.placement)
@@ -212,19 +216,20 @@ def prepare(run: Run, init_key: Array, detach: bool) -> Compiler:
              "gpu": hardware.spec_of(run.placement.target, mesh.devices.flat[0].device_kind),
              "calibration": microbench.for_target(run.placement.target if
                                                    run.placement.deviceless else None,
-                                                   mesh.devices.flat[0].device_kind)}
+                                                   mesh.devices.flat[0].device_kind),
+             "fresh_temporaries": not temporaries_reused}
     return Compiler(layout, target_abs, state_abs, where,
                     memory_env, detach)
 
 
-def search_mesh(run: Run, init_key: Array, log: Callable[[str], None]
-                ) -> tuple[Run, Compiler, Any, GateReport]:
+def search_mesh(run: Run, init_key: Array, log: Callable[[str], None],
+                temporaries_reused: bool = False) -> tuple[Run, Compiler, Any, GateReport]:
     """gate.fit=mesh: every split of the planned GPUs into data x model (the model axis
     within a host) compiled, the one that fits in the least predicted step time chosen."""
 
     def compile_at(model: int) -> tuple[Any, GateReport]:
         candidate = run.with_mesh(model)
-        compiler = prepare(candidate, init_key, detach=False)
+        compiler = prepare(candidate, init_key, False, temporaries_reused)
         compiled, report = compiler.compile(candidate)
         return (candidate, compiler, compiled), report
 

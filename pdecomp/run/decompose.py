@@ -62,7 +62,7 @@ def decompose(run: Run | RunConfig, run_dir: str | Path, hooks: Hooks | None = N
     run_dir.mkdir(parents=True, exist_ok=True)
     write_config(run, run_dir)
 
-    g = gate(run, run_dir, hooks.detach_gate, hooks.log)
+    g = gate(run, run_dir, hooks.detach_gate, hooks.log, hooks.temporaries_reused)
     write_json(run_dir / RUN_FILE, g.run.record())  # the batch the gate's search chose
     if hooks.on_gate:
         hooks.on_gate(g.report)

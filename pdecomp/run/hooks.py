@@ -26,6 +26,9 @@ class Hooks:
     detach_gate: bool = False
     # Called once the frozen target is loaded (the launcher's host switch goes there).
     on_target_loaded: Callable[[], None] | None = None
+    # The front end's host switches keep a CPU step's temporaries from one step to the next
+    # (launcher/host.py), so the gate's forecast counts no first-touched memory for them.
+    temporaries_reused: bool = False
     # Process-wide likewise: orbax's tracebacks for a checkpoint failure that the run
     # reports itself are dropped (Checkpointer's `quiet`).
     quiet_checkpoint_failures: bool = False
