@@ -9,7 +9,8 @@ so a probe measures exactly the quantities the forecast multiplies:
 - the fixed cost of a kernel: 256 kernels of 16 elements, less one of them, per kernel;
   what one program's dispatch costs beside it;
 - matmul FLOP/s at six sizes in float32 and four in bfloat16 (square products);
-- memory bytes/s of elementwise kernels (one read, one write) from 64 KiB to 256 MiB;
+- memory bytes/s of elementwise kernels (one read, one write) from 256 KiB to 256 MiB, each
+  on a buffer of its own, 256 MiB of them a run (cold, as in a step);
 - cheap elementwise op-elements/s (32 multiply-adds an element) and transcendentals/s
   (tanh) at three sizes;
 - on a CPU, first-touched memory: bytes/s of a run's fresh temporaries;
@@ -44,6 +45,7 @@ from pdecomp.gate.calibration import Calibration, Curve, Link
 
 R = 8  # kernels in a probe's chain
 FRESH_BYTES = 32 * 2**20  # glibc's largest mmap threshold
+COLD_BYTES = 256 * 2**20  # more than any host's last-level cache
 
 
 def _timed(fn: Callable, args: tuple, budget_s: float = 0.15
@@ -122,33 +124,26 @@ def matmuls(launch: float, dispatch: float, sizes: dict[str, tuple[int, ...]]
 
 
 def memory(launch: float, dispatch: float, sizes_bytes: tuple[int, ...]) -> Curve:
-    """Bytes/s of elementwise kernels (one read, one write) by the bytes they move: small
-    ones in a chain, those too large for one as a single kernel writing over its input."""
+    """Bytes/s of elementwise kernels (one read, one write) by the bytes they move, each on
+    a buffer of its own written over in place, COLD_BYTES of them a run: a step's working
+    set is larger than the caches, and its kernels mostly read what was written long
+    before (on the same buffer again and again, the rate is the cache's: 2-3x)."""
     points = []
     for size in sizes_bytes:
-        x = jnp.ones((size // 4,), jnp.float32)
-        if 2 * size <= FRESH_BYTES:
-            p = probe(lambda v: v * 1.0001 + 1e-4, (x,),
-                      lambda k, size=size: k.bytes >= size, launch, dispatch)
-            points.append((float(p.kernel.bytes), p.kernel.bytes / p.seconds))
-        else:
-            t = _donated(x)
-            points.append((2.0 * size, 2 * size / max(t - dispatch - launch, 1e-9)))
+        n = max(COLD_BYTES // size, 4)
+        xs = [jnp.full((size // 4,), 1.0 + i, jnp.float32) for i in range(n)]
+        fn = jax.jit(lambda vs: [v * 1.0001 + 1e-4 for v in vs], donate_argnums=0)
+        kernels = sum(k.runs for k in forecast.kernels(fn.lower(xs).compile().as_text(), 1))
+        xs = fn(xs)
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            xs = fn(xs)
+            jax.block_until_ready(xs)
+            times.append(time.perf_counter() - t)
+        each = (statistics.median(times) - dispatch) / kernels - launch
+        points.append((2.0 * size, 2 * size / max(each, 1e-9)))
     return Curve(tuple(points))
-
-
-def _donated(x: Any) -> float:
-    """Median seconds of one elementwise kernel over `x`, written over `x` (donated: no
-    fresh memory)."""
-    fn = jax.jit(lambda v: v * 1.0001 + 1e-4, donate_argnums=(0,))
-    x = fn(x)
-    times = []
-    for _ in range(7):
-        t = time.perf_counter()
-        x = fn(x)
-        jax.block_until_ready(x)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def fresh_rate(cal: Calibration, buffer_bytes: int, n: int) -> float:
@@ -224,7 +219,7 @@ def measure() -> Calibration:
     mm = matmuls(launch, dispatch, {
         "float32": (64, 128, 256, 512, 1024, 2048) + ((4096, 8192) if big else ()),
         "bfloat16": (128, 512, 1024, 2048) + ((4096, 8192) if big else ())})
-    mem = memory(launch, dispatch, tuple(2 ** p for p in range(16, 29, 2)))
+    mem = memory(launch, dispatch, tuple(2 ** p for p in range(18, 29, 2)))
     sizes = (1 << 14, 1 << 18, 1 << 21) + ((1 << 24,) if big else ())
     cal = Calibration(
         device=device.device_kind, source=f"measured by pdecomp.gate.microbench, jax "
