@@ -22,7 +22,6 @@ import jaxlib
 from pdecomp.core import hardware
 from pdecomp.core.units import GiB, fmt_bytes
 from pdecomp.gate import forecast, step_cost
-from pdecomp.gate.calibration import Calibration
 from pdecomp.gate.report import GateReport
 from pdecomp.gate.xla_dump import (
     compile_detached,
@@ -80,9 +79,7 @@ def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, 
                        mesh: dict[str, int], parts: dict[str, int] | None = None,
                        top_temps: int = 0, detach: bool = False, hosts: int = 1,
                        gpu: hardware.GpuSpec | None = None,
-                       calibration: Calibration | None = None,
-                       tokens_per_step: int | None = None,
-                       fresh_temporaries: bool = True) -> tuple[Any, GateReport]:
+                       basis: forecast.Basis | None = None) -> tuple[Any, GateReport]:
     """Lower and compile `fn` on abstract `args`; return the executable and the gate report.
 
     `out_shardings` pins the state's layout to its input layout, so the executable can be fed
@@ -94,11 +91,8 @@ def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, 
     (LLVM, ptxas: about half the compile of a large step) is left running in the background:
     the executable is None and there is no `xla_peak_bytes` (None). The sizes are those
     `memory_analysis()` reports (the same allocations, summed the same way); `parts`, the
-    argument bytes per device, checks the reading (see `xla_dump.compile_detached`).
-
-    With `calibration` the report's step has its forecast; `fresh_temporaries`: each run
-    maps its temporaries anew (a CPU process without the launcher's host switches), which
-    the forecast counts as first-touched memory.
+    argument bytes per device, checks the reading (see `xla_dump.compile_detached`). With
+    a `basis`, the report's step has its forecast.
     """
     t0 = time.perf_counter()
     traced = jax.jit(fn, donate_argnums=donate_argnums,
@@ -136,17 +130,14 @@ def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, 
         # the figures are XLA's of this jaxlib: another version assigns buffers differently
         jax=jax.__version__, jaxlib=jaxlib.__version__,
         xla_flags=os.environ.get("XLA_FLAGS", ""), argument_parts_bytes=parts or {},
-        largest_temps=temps, step=step_report(
-            text, math.prod(mesh.values()), hosts, gpu, calibration,
-            fresh_bytes=temp + out - alias if fresh_temporaries else 0,
-            tokens_per_step=tokens_per_step))
+        largest_temps=temps, step=step_report(text, math.prod(mesh.values()), hosts, gpu,
+                                              basis, fresh_bytes=temp + out - alias))
     return compiled, report
 
 
 def step_report(text: str | None, n_devices: int, hosts: int,
-                gpu: hardware.GpuSpec | None, calibration: Calibration | None = None,
-                fresh_bytes: int = 0, tokens_per_step: int | None = None
-                ) -> dict[str, Any] | None:
+                gpu: hardware.GpuSpec | None, basis: forecast.Basis | None = None,
+                fresh_bytes: int = 0) -> dict[str, Any] | None:
     """gate.json's `step`: per device FLOPs, HBM bytes and collective bytes by kind; with a
     GPU's rates the roofline time (a floor); with the device's calibration the forecast
     (pdecomp.gate.forecast). None where XLA left no optimized module."""
@@ -154,9 +145,10 @@ def step_report(text: str | None, n_devices: int, hosts: int,
         return None
     cost = step_cost.measure(text, n_devices, hosts)
     out = {**cost, "time": step_cost.roofline(cost, gpu) if gpu else None}
-    if calibration is not None:
-        out["forecast"] = forecast.forecast(text, n_devices, hosts, calibration, fresh_bytes,
-                                            tokens_per_step)
+    if basis is not None:  # `fresh_bytes`: what a run allocates anew, where it does
+        out["forecast"] = forecast.forecast(
+            text, n_devices, hosts, basis.calibration,
+            fresh_bytes if basis.fresh_temporaries else 0, basis.tokens_per_step)
     return out
 
 

@@ -42,6 +42,17 @@ TRANSCENDENTAL = {"exponential", "exponential-minus-one", "log", "log-plus-one",
 
 
 @dataclass(frozen=True)
+class Basis:
+    """What a gate forecasts its step with: the device's calibration, the tokens of one
+    step (0: its inputs are not tokens), and whether each run maps its temporaries anew (a
+    CPU process without the launcher's host switches, launcher/host.py)."""
+
+    calibration: Calibration
+    tokens_per_step: int = 0
+    fresh_temporaries: bool = True
+
+
+@dataclass(frozen=True)
 class Kernel:
     name: str
     runs: int  # times per step

@@ -22,7 +22,7 @@ from pdecomp.core import hardware, sharding
 from pdecomp.core.memory import SITE_LAYER_SAVES
 from pdecomp.core.units import fmt_bytes
 from pdecomp.gate import compiled as gate_lib
-from pdecomp.gate import fit, microbench
+from pdecomp.gate import fit, forecast, microbench
 from pdecomp.gate.report import GateReport
 from pdecomp.gate.shapes import OPT_PART_HOST, abstract_run, argument_parts
 from pdecomp.plan.resolve import Run
@@ -109,6 +109,12 @@ class Compiler:
                                             **framing)
         return dc.replace(report, batch_size=run.batch.size, memory_env=self.memory_env)
 
+    def basis(self, run: Run) -> forecast.Basis | None:
+        """What the step at this run's batch is forecast with (None: no calibration)."""
+        basis = self.where["basis"]
+        tokens = run.batch.size * run.kind.tokens_per_example(run.config.data)
+        return basis and dc.replace(basis, tokens_per_step=tokens)
+
     def compile(self, run: Run) -> tuple[Any, GateReport]:
         batch = self.batch(run)
         compiled, report = gate_lib.compile_and_report(
@@ -118,8 +124,7 @@ class Compiler:
                            NamedSharding(self.layout.mesh, P())),
             parts=argument_parts(run, self.target_abs, self.state_abs, batch),
             top_temps=run.config.gate.top_temps, detach=self.detach,
-            tokens_per_step=run.batch.size * run.kind.tokens_per_example(run.config.data),
-            **self.where)
+            **{**self.where, "basis": self.basis(run)})
         report.batch_size, report.memory_env = run.batch.size, self.memory_env
         if run.config.memory.offload_opt_state and run.placement.deviceless:
             # Compile-only devices have no host memory space: jax drops the memory kind.
@@ -214,12 +219,17 @@ def prepare(run: Run, init_key: Array, detach: bool, temporaries_reused: bool = 
     where = {"cap_bytes": cap, "cap_source": cap_source, "target": target_name(run, mesh),
              "mesh": dict(mesh.shape), "hosts": len({d.process_index for d in mesh.devices.flat}),
              "gpu": hardware.spec_of(run.placement.target, mesh.devices.flat[0].device_kind),
-             "calibration": microbench.for_target(run.placement.target if
-                                                   run.placement.deviceless else None,
-                                                   mesh.devices.flat[0].device_kind),
-             "fresh_temporaries": not temporaries_reused}
+             "basis": forecast_basis(run, mesh, temporaries_reused)}
     return Compiler(layout, target_abs, state_abs, where,
                     memory_env, detach)
+
+
+def forecast_basis(run: Run, mesh: Mesh, temporaries_reused: bool) -> forecast.Basis | None:
+    """The calibration of the devices the run is gated for (a deviceless card's file, else
+    the local device's, measured and cached), and whether its temporaries are kept."""
+    card = run.placement.target if run.placement.deviceless else None
+    cal = microbench.for_target(card, mesh.devices.flat[0].device_kind)
+    return cal and forecast.Basis(cal, fresh_temporaries=not temporaries_reused)
 
 
 def search_mesh(run: Run, init_key: Array, log: Callable[[str], None],
