@@ -91,7 +91,9 @@ def test_the_microbenchmark_measures_every_rate_the_forecast_reads(local) -> Non
     # physics: no 2-core-class CPU multiplies faster than 10 TFLOP/s or copies faster than
     # 10 TB/s (a figure beyond those would be a timing error, not a fast machine)
     assert local.matmul["float32"].peak < 1e13 and local.memory.peak < 1e13
-    assert local.fresh_bytes_rate > 0  # XLA:CPU maps large temporaries anew each run
+    # first touches: XLA:CPU's large temporaries mapped anew each run (0 where a host's
+    # allocator keeps them, which the probe then measures as free)
+    assert 0 <= local.fresh_bytes_rate < 1e13
 
 
 @pytest.mark.parametrize("program", sorted(PROGRAMS))
