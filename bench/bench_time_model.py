@@ -122,10 +122,12 @@ def _cpu() -> str:
     return f"{cpu_model()} x {os.cpu_count()}"
 
 
-def _commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False,
-                          capture_output=True, text=True,
-                          cwd=Path(__file__).parent).stdout.strip()
+def _commit() -> str | None:
+    """The checkout's commit, short, as a run records it (pdecomp.plan.resolve)."""
+    from pdecomp.plan.resolve import provenance
+
+    commit = provenance()["commit"]  # "-dirty" where pdecomp/ or launcher/ have changed
+    return commit[:7] + commit[40:] if commit else None
 
 
 def record(rows: dict[str, dict]) -> None:

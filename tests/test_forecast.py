@@ -51,7 +51,7 @@ def test_a_matmul_and_an_elementwise_kernel_are_read_as_the_forecast_counts_them
         y = lax.optimization_barrier(a @ b)
         return jnp.tanh(y * 2.0 + 1.0)
 
-    ks = forecast.kernels(compiled_text(fn, jnp.ones((M, K)), jnp.ones((K, N))), 1)
+    ks = step_cost.kernels(compiled_text(fn, jnp.ones((M, K)), jnp.ones((K, N))), 1)
     (mm,) = [k for k in ks if k.flops]
     assert mm.flops == 2 * M * K * N and mm.dtype == "float32" and mm.runs == 1
     (ew,) = [k for k in ks if k.transcendentals]
@@ -64,7 +64,7 @@ def test_a_loops_kernels_count_its_trip_count() -> None:
     def fn(x, w):
         return lax.fori_loop(0, 5, lambda i, c: jnp.tanh(c @ w), x)
 
-    ks = forecast.kernels(compiled_text(fn, jnp.ones((M, K)), jnp.ones((K, K))), 1)
+    ks = step_cost.kernels(compiled_text(fn, jnp.ones((M, K)), jnp.ones((K, K))), 1)
     assert sum(k.runs * k.flops for k in ks) == 5 * 2 * M * K * K
 
 
@@ -102,7 +102,7 @@ def test_no_forecast_is_below_its_floor(program: str, card: str | None, local) -
     fn, args = PROGRAMS[program]
     text = compiled_text(fn, *args)
     cal = local if card is None else calibration.for_card(card)
-    f = forecast.forecast(text, 1, 1, cal, fresh_bytes=1 << 30)
+    f = forecast.forecast(step_cost.kernels(text, 1), forecast.Basis(cal), fresh_bytes=1 << 30)
     assert f["s_per_step"] >= f["floor_s"] > 0
     assert f["s_per_step"] == pytest.approx(sum(f["breakdown_s"].values()))
     if card:  # nor below the roofline at the card's published rates
@@ -119,8 +119,8 @@ def test_collectives_are_forecast_by_their_link(local) -> None:
     assert script != STEP
     text = run_on_cpu_devices(script, 8)
     h100 = calibration.for_card("h100")
-    one_host = forecast.forecast(text, 8, 1, h100)
-    two_hosts = forecast.forecast(text, 8, 2, h100)
+    one_host, two_hosts = (forecast.forecast(step_cost.kernels(text, 8, hosts),
+                                             forecast.Basis(h100)) for hosts in (1, 2))
     assert one_host["breakdown_s"]["collectives"] > 0
     assert two_hosts["breakdown_s"]["collectives"] > one_host["breakdown_s"]["collectives"]
     assert two_hosts["s_per_step"] >= two_hosts["floor_s"]
@@ -154,8 +154,11 @@ def test_first_touched_memory_is_counted_only_above_the_threshold(local) -> None
     fn, args = PROGRAMS["elementwise"]
     text = compiled_text(fn, *args)
     cal = dc.replace(local, fresh_bytes_rate=1e9, fresh_threshold_bytes=1 << 20)
-    below = forecast.forecast(text, 1, 1, cal, fresh_bytes=1 << 19)
-    above = forecast.forecast(text, 1, 1, cal, fresh_bytes=1 << 30)
+    ks, basis = step_cost.kernels(text, 1), forecast.Basis(cal)
+    below = forecast.forecast(ks, basis, fresh_bytes=1 << 19)
+    above = forecast.forecast(ks, basis, fresh_bytes=1 << 30)
+    kept = forecast.forecast(ks, dc.replace(basis, fresh_temporaries=False), 1 << 30)
+    assert kept["breakdown_s"]["fresh_memory"] == 0
     assert below["breakdown_s"]["fresh_memory"] == 0
     assert above["breakdown_s"]["fresh_memory"] == pytest.approx((1 << 30) / 1e9)
 

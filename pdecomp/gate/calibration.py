@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdecomp.core import storage
 from pdecomp.core.config import ConfigError
 
 CARDS = Path(__file__).parent / "calibrations"
@@ -117,11 +118,10 @@ def read(path: Path) -> Calibration:
 
 
 def write(cal: Calibration, path: Path) -> None:
-    """Written whole or not at all: a half-written cache would be read as a calibration."""
+    """Written whole or not at all (a half-written cache would be read as a calibration);
+    storage.WriteFailed on a full disk."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(cal.to_json(), indent=1) + "\n")
-    tmp.replace(path)
+    storage.write_text(path, json.dumps(cal.to_json(), indent=1) + "\n")
 
 
 def for_card(card: str) -> Calibration:

@@ -143,12 +143,11 @@ def step_report(text: str | None, n_devices: int, hosts: int,
     (pdecomp.gate.forecast). None where XLA left no optimized module."""
     if not text:
         return None
-    cost = step_cost.measure(text, n_devices, hosts)
+    ks = step_cost.kernels(text, n_devices, hosts)
+    cost = step_cost.totals(ks)
     out = {**cost, "time": step_cost.roofline(cost, gpu) if gpu else None}
-    if basis is not None:  # `fresh_bytes`: what a run allocates anew, where it does
-        out["forecast"] = forecast.forecast(
-            text, n_devices, hosts, basis.calibration,
-            fresh_bytes if basis.fresh_temporaries else 0, basis.tokens_per_step)
+    if basis is not None:  # `fresh_bytes`: what a run allocates anew
+        out["forecast"] = forecast.forecast(ks, basis, fresh_bytes)
     return out
 
 

@@ -4,7 +4,7 @@ kernel; collectives by an alpha-beta model per link.
 
 A kernel is a top-level instruction of the module that does work (a fusion, a dot, a copy,
 a collective, a custom call), counted as often as it runs (a loop's body times its trip
-count, as pdecomp.gate.step_cost counts). Each one takes
+count): pdecomp.gate.step_cost.kernels reads them. Each one takes
 
     launch + max(matmul FLOPs / matmul rate + elementwise ops / op rate, bytes / memory rate)
 
@@ -23,22 +23,12 @@ free and everything overlapped: no forecast is below it.
 
 from __future__ import annotations
 
-import math
-import re
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from pdecomp.gate import step_cost as sc
 from pdecomp.gate.calibration import Calibration
-
-# Body instructions that name or move data without computing on it.
-NO_OPS = sc.FREE | {"broadcast", "reshape", "slice", "dynamic-slice", "transpose", "copy",
-                    "concatenate", "pad", "reverse", "gather", "dynamic-update-slice",
-                    "scatter", "dot", "fusion", "custom-call", "iota"}
-TRANSCENDENTAL = {"exponential", "exponential-minus-one", "log", "log-plus-one", "tanh",
-                  "logistic", "sqrt", "rsqrt", "cbrt", "power", "sine", "cosine", "tan",
-                  "atan2", "erf", "erf-inv"}
+from pdecomp.gate.step_cost import Kernel
 
 
 @dataclass(frozen=True)
@@ -50,79 +40,6 @@ class Basis:
     calibration: Calibration
     tokens_per_step: int = 0
     fresh_temporaries: bool = True
-
-
-@dataclass(frozen=True)
-class Kernel:
-    name: str
-    runs: int  # times per step
-    flops: int  # matmul FLOPs of one run
-    dtype: str  # its matmul operands' ("float32", "bfloat16"; "" without a matmul)
-    ops: int  # cheap elementwise operations of one run (elements x operations)
-    transcendentals: int
-    bytes: int  # memory read and written by one run
-    collective: str = ""  # its kind, for a collective
-    sent_bytes: float = 0.0  # per run, one device's share
-    link: str = ""  # "nvlink" within a host, "network" across
-
-
-def elements(shape: str) -> int:
-    """Elements of every array in a shape (a tuple's summed)."""
-    return sum(math.prod(int(n) for n in dims.split(",") if n)
-               for _, dims in sc._ARRAY.findall(shape))
-
-
-_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "f64": "float64",
-           "f8e4m3fn": "float8", "f8e5m2": "float8"}
-
-
-def _compute(body: list[Any], shapes: dict[str, str]) -> tuple[int, str, int, int]:
-    """(matmul FLOPs, their operands' dtype, cheap ops, transcendentals) of instructions."""
-    flops, dtype, ops, trans = 0, "", 0, 0
-    for i in body:
-        if f := sc.dot_flops(i, shapes):
-            flops += f
-            lhs = sc.shape_of(i.operands[0], shapes)
-            dtype = _DTYPES.get(lhs.split("[")[0], "float32")
-        elif i.op == "reduce" or i.op == "reduce-window":
-            ops += elements(sc.shape_of(i.operands[0], shapes)) if i.operands else 0
-        elif i.op in TRANSCENDENTAL:
-            trans += elements(i.shape)
-        elif i.op not in NO_OPS:
-            ops += elements(i.shape)
-    return flops, dtype, ops, trans
-
-
-def kernels(text: str, n_devices: int, hosts: int = 1) -> list[Kernel]:
-    """Every kernel of one step of the module `text`, per device."""
-    computations, entry = sc.parse(text)
-    runs, inner = sc.multipliers(computations, entry)
-    shapes = {i.name: i.shape for c in computations.values() for i in c}
-    per_host = max(n_devices // max(hosts, 1), 1)
-    out = []
-    for name, instructions in computations.items():
-        times = runs.get(name, 0)
-        if not times or name in inner:
-            continue
-        for ins in instructions:
-            if ins.op in sc.FREE:
-                continue
-            called = re.search(r"calls=%([\w.\-]+)", ins.attrs) if ins.op == "fusion" else None
-            body = computations.get(called.group(1), []) if called else [ins]
-            flops, dtype, ops, trans = _compute(body, shapes)
-            moved = sc.hbm_bytes(ins, computations, shapes)
-            kind, sent, link = sc.COLLECTIVES.get(ins.op, ""), 0.0, ""
-            if kind:
-                members = sc.group_members(ins.attrs, n_devices)
-                if len(members) < 2:
-                    kind = ""
-                else:
-                    sent = sc.sent_bytes(kind, sc._result_bytes(ins, shapes), len(members))
-                    link = ("network" if sc._crosses_hosts(ins, members, per_host)
-                            else "nvlink")
-            out.append(Kernel(ins.name, times, flops, dtype, ops, trans, moved, kind, sent,
-                              link))
-    return out
 
 
 def kernel_seconds(k: Kernel, cal: Calibration) -> dict[str, float]:
@@ -152,13 +69,13 @@ def floor_seconds(ks: list[Kernel], cal: Calibration) -> float:
     return max(matmul, memory / cal.memory.peak, sum(links.values()))
 
 
-def forecast(text: str, n_devices: int, hosts: int, cal: Calibration,
-             fresh_bytes: int = 0, tokens_per_step: int | None = None) -> dict[str, Any]:
-    """gate.json's `step.forecast`: seconds per step and their breakdown, the floor, the
-    calibration it read, and tokens/s where the step's tokens are known. `fresh_bytes`: what
-    the runtime allocates each run (the temporaries and the outputs not aliased), first
-    touched in the step where the calibration says so."""
-    ks = kernels(text, n_devices, hosts)
+def forecast(ks: list[Kernel], basis: Basis, fresh_bytes: int = 0) -> dict[str, Any]:
+    """gate.json's `step.forecast` of a step's kernels (pdecomp.gate.step_cost.kernels):
+    seconds per step and their breakdown, the floor, the calibration it read, and tokens/s
+    where the step's tokens are known. `fresh_bytes`: what the runtime allocates each run
+    (the temporaries and the outputs not aliased), first touched in the step where the
+    basis and its calibration say so."""
+    cal = basis.calibration
     parts: dict[str, float] = defaultdict(float)
     top: list[tuple[float, str]] = []
     for k in ks:
@@ -167,8 +84,9 @@ def forecast(text: str, n_devices: int, hosts: int, cal: Calibration,
             parts[part] += k.runs * s
         top.append((k.runs * sum(each.values()), k.name))
     parts["launch"] += cal.dispatch_s
-    if cal.fresh_bytes_rate and fresh_bytes >= cal.fresh_threshold_bytes:
-        parts["fresh_memory"] = fresh_bytes / cal.fresh_bytes_rate
+    fresh = fresh_bytes if basis.fresh_temporaries else 0
+    if cal.fresh_bytes_rate and fresh >= cal.fresh_threshold_bytes:
+        parts["fresh_memory"] = fresh / cal.fresh_bytes_rate
     total = sum(parts.values())
     top.sort(reverse=True)
     out = {"s_per_step": total, "floor_s": floor_seconds(ks, cal),
@@ -178,6 +96,6 @@ def forecast(text: str, n_devices: int, hosts: int, cal: Calibration,
            "kernels": sum(k.runs for k in ks), "collectives_overlap": 0.0,
            "calibration": {"device": cal.device, "source": cal.source},
            "largest_kernels": [{"name": n, "s": s} for s, n in top[:5]]}
-    if tokens_per_step:
-        out["tokens_per_s"] = tokens_per_step / total if total else None
+    if basis.tokens_per_step:
+        out["tokens_per_s"] = basis.tokens_per_step / total if total else None
     return out

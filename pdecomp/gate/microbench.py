@@ -40,29 +40,36 @@ import jax.numpy as jnp
 from jax import lax
 
 from pdecomp.core.config import ConfigError
+from pdecomp.core.storage import WriteFailed
 from pdecomp.gate import calibration, forecast
 from pdecomp.gate.calibration import Calibration, Curve, Link
+from pdecomp.gate.step_cost import Kernel, kernels
 
 R = 8  # kernels in a probe's chain
 FRESH_BYTES = 32 * 2**20  # glibc's largest mmap threshold
 COLD_BYTES = 256 * 2**20  # more than any host's last-level cache
 
 
-def _timed(fn: Callable, args: tuple, budget_s: float = 0.15
-           ) -> tuple[float, list[Any], int]:
-    """Median seconds of one run of compiled `fn`, its kernels as the forecast reads them,
-    and its temporary bytes."""
-    compiled = jax.jit(fn).lower(*args).compile()
-    ks = forecast.kernels(compiled.as_text(), 1)
-    temp = int(compiled.memory_analysis().temp_size_in_bytes)
-    jax.block_until_ready(compiled(*args))
+def _median_s(run: Callable[[], Any], budget_s: float) -> float:
+    """Median seconds of `run()` (waited on): at least 5 runs, more within `budget_s`."""
+    jax.block_until_ready(run())
     times: list[float] = []
     start = time.perf_counter()
     while len(times) < 5 or (time.perf_counter() - start < budget_s and len(times) < 200):
         t = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
+        jax.block_until_ready(run())
         times.append(time.perf_counter() - t)
-    return statistics.median(times), ks, temp
+    return statistics.median(times)
+
+
+def _timed(fn: Callable, args: tuple, budget_s: float = 0.15
+           ) -> tuple[float, list[Kernel], int]:
+    """Median seconds of one run of compiled `fn`, its kernels as the forecast reads them,
+    and its temporary bytes."""
+    compiled = jax.jit(fn).lower(*args).compile()
+    temp = int(compiled.memory_analysis().temp_size_in_bytes)
+    return (_median_s(lambda: compiled(*args), budget_s), kernels(compiled.as_text(), 1),
+            temp)
 
 
 def chain(step: Callable, n: int) -> Callable:
@@ -78,11 +85,11 @@ def chain(step: Callable, n: int) -> Callable:
 
 @dataclass(frozen=True)
 class Probe:
-    kernel: Any  # one of the chain's kernels, as the forecast reads it
+    kernel: Kernel  # one of the chain's kernels, as the forecast reads it
     seconds: float  # what one of them takes beyond its launch
 
 
-def probe(step: Callable, args: tuple, pick: Callable[[Any], bool], launch: float,
+def probe(step: Callable, args: tuple, pick: Callable[[Kernel], bool], launch: float,
           dispatch: float, budget_s: float = 0.15) -> Probe:
     """A chain of kernels of `step`, as many as keep its temporaries under FRESH_BYTES (so
     no page is first touched in a run, which `fresh_rate` measures apart): the seconds of
@@ -131,17 +138,15 @@ def memory(launch: float, dispatch: float, sizes_bytes: tuple[int, ...]) -> Curv
     points = []
     for size in sizes_bytes:
         n = max(COLD_BYTES // size, 4)
-        xs = [jnp.full((size // 4,), 1.0 + i, jnp.float32) for i in range(n)]
+        state = [[jnp.full((size // 4,), 1.0 + i, jnp.float32) for i in range(n)]]
         fn = jax.jit(lambda vs: [v * 1.0001 + 1e-4 for v in vs], donate_argnums=0)
-        kernels = sum(k.runs for k in forecast.kernels(fn.lower(xs).compile().as_text(), 1))
-        xs = fn(xs)
-        times = []
-        for _ in range(5):
-            t = time.perf_counter()
-            xs = fn(xs)
-            jax.block_until_ready(xs)
-            times.append(time.perf_counter() - t)
-        each = (statistics.median(times) - dispatch) / kernels - launch
+        count = sum(k.runs for k in kernels(fn.lower(state[0]).compile().as_text(), 1))
+
+        def run(fn=fn, state=state):  # each run writes over the last one's output
+            state[0] = fn(state[0])
+            return state[0]
+
+        each = (_median_s(run, 0.0) - dispatch) / count - launch
         points.append((2.0 * size, 2 * size / max(each, 1e-9)))
     return Curve(tuple(points))
 
@@ -249,7 +254,7 @@ def local(device_kind: str) -> Calibration:
     cal = measure()
     try:
         calibration.write(cal, path)
-    except OSError:
+    except (OSError, WriteFailed):
         pass  # an unwritable cache costs the next gate a measurement, nothing else
     return cal
 

@@ -112,10 +112,8 @@ def _split_shape(rest: str) -> tuple[str, str]:
     return rest, ""
 
 
-@functools.lru_cache(maxsize=1)  # the gate's cost and forecast read the same module
 def parse(text: str) -> tuple[dict[str, list[Instruction]], str]:
-    """The module's computations (name -> instructions) and the entry's name (not to be
-    changed by a caller: the result is shared)."""
+    """The module's computations (name -> instructions) and the entry's name."""
     computations: dict[str, list[Instruction]] = {}
     entry, current = "", None
     for line in text.splitlines():
@@ -275,39 +273,113 @@ def _crosses_hosts(ins: Instruction, members: list[int], per_host: int) -> bool:
     return len({m // per_host for m in members}) > 1
 
 
-def measure(text: str, n_devices: int, hosts: int = 1) -> dict[str, Any]:
-    """Per device, one step: `flops`, `hbm_bytes`, and per collective kind its `count`,
-    `bytes` sent (as many received) and the part of them that crosses hosts."""
+# Body instructions that name or move data without computing on it.
+NO_OPS = FREE | {"broadcast", "reshape", "slice", "dynamic-slice", "transpose", "copy",
+                 "concatenate", "pad", "reverse", "gather", "dynamic-update-slice", "scatter",
+                 "dot", "fusion", "custom-call", "iota"}
+TRANSCENDENTAL = {"exponential", "exponential-minus-one", "log", "log-plus-one", "tanh",
+                  "logistic", "sqrt", "rsqrt", "cbrt", "power", "sine", "cosine", "tan",
+                  "atan2", "erf", "erf-inv"}
+_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "f64": "float64"}
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One top-level instruction that does work (a fusion, a dot, a copy, a collective, a
+    custom call), per device, per run."""
+
+    name: str
+    runs: int  # times per step
+    flops: int  # matmul FLOPs
+    f32_flops: int  # the part of them on float32 operands
+    dtype: str  # its matmul operands' ("float32", "bfloat16", ...; "" without a matmul)
+    ops: int  # cheap elementwise operations (elements x operations)
+    transcendentals: int
+    bytes: int  # memory read and written
+    collective: str = ""  # its kind, for a collective over two devices or more
+    sent_bytes: float = 0.0  # one device's share
+    link: str = ""  # "nvlink" within a host, "network" across
+
+
+def element_count(shape: str) -> int:
+    """Elements of every array in a shape (a tuple's summed)."""
+    return sum(math.prod(int(n) for n in dims.split(",") if n)
+               for _, dims in _ARRAY.findall(shape))
+
+
+def _compute(body: list[Instruction], computations: dict[str, list[Instruction]],
+             shapes: dict[str, str]) -> tuple[int, int, str, int, int]:
+    """(matmul FLOPs, their float32 part, their operands' dtype, cheap ops,
+    transcendentals) of a kernel's instructions, a fusion nested in them included."""
+    flops = f32 = ops = trans = 0
+    dtype = ""
+    for i in body:
+        if f := dot_flops(i, shapes):
+            t = shape_of(i.operands[0], shapes).split("[")[0]
+            flops, dtype = flops + f, _DTYPES.get(t, t)
+            f32 += f if t == "f32" else 0
+        elif i.op == "fusion" and (called := re.search(r"calls=%([\w.\-]+)", i.attrs)):
+            f, f32_, dtype_, o, tr = _compute(computations.get(called.group(1), []),
+                                              computations, shapes)
+            flops, f32, ops, trans = flops + f, f32 + f32_, ops + o, trans + tr
+            dtype = dtype_ or dtype
+        elif i.op in ("reduce", "reduce-window"):
+            ops += element_count(shape_of(i.operands[0], shapes)) if i.operands else 0
+        elif i.op in TRANSCENDENTAL:
+            trans += element_count(i.shape)
+        elif i.op not in NO_OPS:
+            ops += element_count(i.shape)
+    return flops, f32, dtype, ops, trans
+
+
+def kernels(text: str, n_devices: int, hosts: int = 1) -> list[Kernel]:
+    """Every kernel of one step of the module `text`, per device: a computation's
+    instructions as often as it runs, a fusion's body inside its fusion's kernel."""
     computations, entry = parse(text)
     runs, inner = multipliers(computations, entry)
     shapes = {i.name: i.shape for c in computations.values() for i in c}
     per_host = max(n_devices // max(hosts, 1), 1)
-    flops = f32_flops = hbm = 0
-    moved: dict[str, dict[str, float]] = {}
+    out = []
     for name, instructions in computations.items():
         times = runs.get(name, 0)
-        for ins in instructions if times else ():
-            done = times * dot_flops(ins, shapes)
-            flops += done
-            f32_flops += done if done and shape_of(ins.operands[0], shapes).startswith("f32") \
-                else 0
-            if name in inner or ins.op in FREE:
+        for ins in instructions if times and name not in inner else ():
+            if ins.op in FREE:
                 continue
-            hbm += times * hbm_bytes(ins, computations, shapes)
-            if (kind := COLLECTIVES.get(ins.op)) is None:
-                continue
-            members = group_members(ins.attrs, n_devices)
-            if len(members) < 2:
-                continue
-            sent = times * sent_bytes(kind, _result_bytes(ins, shapes), len(members))
-            row = moved.setdefault(kind, {"count": 0, "bytes": 0.0, "network_bytes": 0.0})
-            row["count"] += times
-            row["bytes"] += sent
-            row["network_bytes"] += sent if _crosses_hosts(ins, members, per_host) else 0.0
-    return {"flops": int(flops), "f32_flops": int(f32_flops), "hbm_bytes": int(hbm),
-            "collectives": {k: {"count": int(v["count"]), "bytes": int(v["bytes"]),
-                                "network_bytes": int(v["network_bytes"])}
-                            for k, v in sorted(moved.items())}}
+            flops, f32, dtype, ops, trans = _compute([ins], computations, shapes)
+            kind, sent, link = COLLECTIVES.get(ins.op, ""), 0.0, ""
+            members = group_members(ins.attrs, n_devices) if kind else []
+            if len(members) >= 2:
+                sent = sent_bytes(kind, _result_bytes(ins, shapes), len(members))
+                link = "network" if _crosses_hosts(ins, members, per_host) else "nvlink"
+            out.append(Kernel(ins.name, times, flops, f32, dtype, ops, trans,
+                              hbm_bytes(ins, computations, shapes),
+                              kind if link else "", sent, link))
+    return out
+
+
+def totals(ks: list[Kernel]) -> dict[str, Any]:
+    """gate.json's `step` figures of one step's kernels: `flops` (`f32_flops` of them),
+    `hbm_bytes`, and per collective kind its `count`, `bytes` sent (as many received) and
+    the part of them that crosses hosts."""
+    moved: dict[str, dict[str, float]] = {}
+    for k in ks:
+        if k.collective:
+            row = moved.setdefault(k.collective, {"count": 0, "bytes": 0.0,
+                                                  "network_bytes": 0.0})
+            row["count"] += k.runs
+            row["bytes"] += k.runs * k.sent_bytes
+            row["network_bytes"] += k.runs * k.sent_bytes if k.link == "network" else 0.0
+    return {"flops": sum(k.runs * k.flops for k in ks),
+            "f32_flops": sum(k.runs * k.f32_flops for k in ks),
+            "hbm_bytes": sum(k.runs * k.bytes for k in ks),
+            "collectives": {kind: {"count": int(v["count"]), "bytes": int(v["bytes"]),
+                                   "network_bytes": int(v["network_bytes"])}
+                            for kind, v in sorted(moved.items())}}
+
+
+def measure(text: str, n_devices: int, hosts: int = 1) -> dict[str, Any]:
+    """Per device, one step: `totals` of its `kernels`."""
+    return totals(kernels(text, n_devices, hosts))
 
 
 def roofline(cost: dict[str, Any], spec: Any) -> dict[str, Any]:
