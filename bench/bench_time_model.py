@@ -10,8 +10,10 @@ from microbenchmarks only, never fitted to these jobs; rows go into bench/result
   (bench/time_step.py: the gated executable timed, median of its steps, in three processes;
   in a `pdecomp` job's process, which reuses a step's temporaries, and in a library
   caller's, `_library`, which maps them anew each step)
-  beside the forecast the same gate made with this CPU's calibration (measured by
-  pdecomp.gate.microbench the first time, then cached; `--recalibrate` measures it anew).
+  beside the forecast the same gate made with this CPU's calibration, measured in that
+  process just before (pdecomp.gate.microbench; the step's dots by pdecomp.gate.dots): this
+  host's speed drifts by up to 2x over minutes, so a calibration cached from another spell
+  would compare two spells, not a forecast with its step.
 
     .venv/bin/python bench/bench_time_model.py                  # every GPU job
     .venv/bin/python bench/bench_time_model.py --cpu --job none # the CPU rows only
@@ -96,21 +98,22 @@ def row(name: str, card: str, measured: dict, report: dict, wall_s: float) -> di
 def cpu_row(name: str, steps: int, overrides: list[str], library: bool,
             repeats: int = 3) -> dict:
     """A CPU job timed in `repeats` processes of its own (bench/time_step.py: a `pdecomp`
-    job's process, or with `library` a library caller's), the median of their medians
-    against the forecast (the same each time: one cached calibration)."""
-    cmd = [sys.executable, str(Path(__file__).parent / "time_step.py"),
+    job's process, or with `library` a library caller's), each calibrated first, its
+    forecast against its measured step: the run of the median error, and every run's."""
+    cmd = [sys.executable, str(Path(__file__).parent / "time_step.py"), "--calibrate",
            *(["--library"] if library else []), str(steps), *overrides]
     runs = []
     for _ in range(repeats):
         out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=os.environ)
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    measured = sorted(r["measured_s"] for r in runs)[len(runs) // 2]
-    f = runs[-1]["forecast"]
+    errors = [r["forecast"]["s_per_step"] / r["measured_s"] - 1 for r in runs]
+    mid = sorted(range(repeats), key=errors.__getitem__)[repeats // 2]  # the median run
+    f, measured = runs[mid]["forecast"], runs[mid]["measured_s"]
     return {"job": name, "card": "cpu", "cpu": _cpu(), "measured_s": measured,
             "runs_s": [r["measured_s"] for r in runs], "seconds": [r["seconds"] for r in runs],
-            "forecast": f, "forecast_s": f["s_per_step"], "floor_s": runs[-1]["floor_s"],
-            "forecast_error": f["s_per_step"] / measured - 1,
-            "errors_by_run": [f["s_per_step"] / r["measured_s"] - 1 for r in runs],
+            "forecast": f, "forecast_s": f["s_per_step"], "floor_s": f["floor_s"],
+            "forecasts_s": [r["forecast"]["s_per_step"] for r in runs],
+            "forecast_error": errors[mid], "errors_by_run": errors,
             "calibration": f["calibration"], "temp_bytes": runs[-1]["temp_bytes"],
             "minor_faults_per_step": runs[-1]["minor_faults_per_step"],
             "overrides": overrides, "commit": _commit()}
@@ -142,13 +145,7 @@ def main() -> None:
     p.add_argument("--model", type=Path, help="SmolLM2-135M, Hugging Face form")
     p.add_argument("--job", action="append", help="only these GPU jobs ('none': no GPU job)")
     p.add_argument("--cpu", action="store_true", help="the CPU rows too")
-    p.add_argument("--recalibrate", action="store_true",
-                   help="measure this CPU's calibration anew first (pdecomp calibrate)")
     args = p.parse_args()
-    if args.cpu and args.recalibrate:
-        from pdecomp.gate import calibration, microbench
-
-        calibration.write(microbench.measure(), calibration.cache_path("cpu"))
     measured = {j["job"]: j for j in json.loads(RESULTS.read_text())["gpu"]["jobs"]}
     rows = {r["job"]: r for r in json.loads(RESULTS.read_text()).get(
         "time_model", {}).get("rows", [])}

@@ -1,12 +1,15 @@
 """One run's train step on this machine: gated as `pdecomp` gates it (its forecast made from
 this device's calibration), then the very executable timed, nothing else in the loop.
 
-    .venv/bin/python bench/time_step.py [--library] STEPS [OVERRIDES...]
+    .venv/bin/python bench/time_step.py [--library] [--calibrate] STEPS [OVERRIDES...]
 
 By default the process is a `pdecomp` job's: the launcher's host switches (launcher/host.py:
 programs run inline, freed blocks kept, so a CPU step reuses its temporaries) and the gate
 told so. `--library`: a library caller's process, left as it is (each CPU step maps its
-temporaries anew).
+temporaries anew). `--calibrate`: this process measures its calibration (no cache), its gate
+makes the forecast from it, with every dot of the step measured (a gate measures them for a
+second at most; later gates the rest): a calibration and a step timed in one spell of a
+host whose speed drifts.
 
 Prints one JSON line: the median and every step's seconds (three warm-up steps first, on
 batches drawn before timing), the gate's forecast and floor, minor page faults a step.
@@ -15,6 +18,7 @@ batches drawn before timing), the gate's forecast and floor, minor page faults a
 from __future__ import annotations
 
 import json
+import os
 import resource
 import statistics
 import sys
@@ -25,6 +29,7 @@ from pathlib import Path
 import jax
 
 from launcher import api, host
+from pdecomp.gate import calibration, dots, forecast, microbench, step_cost
 from pdecomp.gate.shapes import load_target
 from pdecomp.gate.step import gate
 from pdecomp.run.checkpoint import Checkpointer
@@ -34,11 +39,18 @@ from pdecomp.run.loop import initial_state
 WARMUP = 3
 
 
-def timed(overrides: list[str], steps: int, work: Path, job: bool) -> dict:
+def timed(overrides: list[str], steps: int, work: Path, job: bool, calibrate: bool) -> dict:
     if job:
         host.run_programs_inline()  # before JAX starts its backend, as launcher/job.py
     run = prepare(api.compose(["logging.wandb.mode=disabled", *overrides]))
     g = gate(run, work, False, lambda _: None, temporaries_reused=job)
+    f = g.report.step["forecast"]
+    if calibrate:  # the gate measured this process's calibration; now every dot of the step
+        ks = step_cost.kernels(g.compiled.as_text(), 1)
+        cal = dots.with_dots(microbench.local(jax.devices()[0].device_kind), ks, 600.0)
+        r = g.report
+        f = forecast.forecast(ks, forecast.Basis(cal, fresh_temporaries=not job),
+                              r.temp_bytes + r.output_bytes - r.alias_bytes)
     target, _ = load_target(g.run, g.target_abs, lambda _: None)
     if job:
         host.keep_freed_blocks_on_cpu()
@@ -58,19 +70,22 @@ def timed(overrides: list[str], steps: int, work: Path, job: bool) -> dict:
         jax.block_until_ready((state, m))
         seconds.append(time.perf_counter() - t)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-    step = g.report.step
     return {"measured_s": statistics.median(seconds), "seconds": seconds,
-            "forecast": step.get("forecast"), "floor_s": step["forecast"]["floor_s"],
+            "forecast": f, "floor_s": f["floor_s"], "calibrated_here": calibrate,
             "peak_bytes": g.report.peak_bytes, "temp_bytes": g.report.temp_bytes,
             "minor_faults_per_step": faults / steps, "overrides": overrides, "job": job}
 
 
 def main() -> None:
     args = sys.argv[1:]
-    library = bool(args) and args[0] == "--library"
-    steps, overrides = int(args[library]), args[library + 1:]
+    flags = {a for a in args if a in ("--library", "--calibrate")}
+    args = [a for a in args if a not in flags]
+    steps, overrides = int(args[0]), args[1:]
     with tempfile.TemporaryDirectory() as d:
-        print(json.dumps(timed(overrides, steps, Path(d), not library)), flush=True)
+        if "--calibrate" in flags:  # no cached calibration: the gate measures it here
+            os.environ[calibration.DIR_VAR] = str(Path(d) / "calibration")
+        print(json.dumps(timed(overrides, steps, Path(d), "--library" not in flags,
+                               "--calibrate" in flags)), flush=True)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from test_step_cost import STEP
 
 from pdecomp.core import hardware
 from pdecomp.core.config import ConfigError
-from pdecomp.gate import calibration, forecast, microbench, step_cost
+from pdecomp.gate import calibration, dots, forecast, microbench, step_cost
 from pdecomp.gate.calibration import Calibration, Curve
 
 M, K, N = 64, 96, 32
@@ -199,5 +199,69 @@ def test_a_job_that_reuses_its_temporaries_is_forecast_without_first_touches(
     fresh, kept = (gate(run, tmp_path / str(reused), False, lambda _: None, reused)
                    .report.step["forecast"] for reused in (False, True))
     assert fresh["breakdown_s"]["fresh_memory"] > 0 == kept["breakdown_s"]["fresh_memory"]
-    assert kept["s_per_step"] == pytest.approx(
-        fresh["s_per_step"] - fresh["breakdown_s"]["fresh_memory"])
+    # the kernels alike, but for the dots the second gate may have measured since (each
+    # gate measures them for a second at most): never faster for that
+    assert kept["kernels"] == fresh["kernels"]
+    assert kept["breakdown_s"]["launch"] == pytest.approx(fresh["breakdown_s"]["launch"])
+    assert 0 < fresh["dots_measured"] <= kept["dots_measured"] <= kept["dots"]
+    kernels_s = [f["s_per_step"] - f["breakdown_s"]["fresh_memory"] for f in (fresh, kept)]
+    assert kernels_s[0] <= kernels_s[1] * (1 + 1e-9)
+    assert kept["dots_measured"] > fresh["dots_measured"] or kernels_s[0] == pytest.approx(
+        kernels_s[1])
+
+
+def test_each_transcendental_op_is_weighted_by_its_measured_cost(local) -> None:
+    """A power costs several tanh (log, multiply, exp): the forecast weighs each op of a
+    kernel by what the microbenchmark measured it to cost against tanh."""
+    text = compiled_text(lambda x: jnp.tanh(x) + x ** (x + 0.5), jnp.ones((1 << 16,)))
+    (k,) = [k for k in step_cost.kernels(text, 1) if k.transcendentals]
+    assert dict(k.transcendental_ops) == {"tanh": 1 << 16, "power": 1 << 16}
+    assert k.transcendentals == 2 << 16
+    assert set(local.transcendental_cost) >= {"power", "exponential", "log", "logistic"}
+    assert local.transcendental_cost["power"] > 1  # measured: log, multiply and exp
+    unit = dc.replace(local, transcendental_cost={})
+    rate = local.transcendental(k.transcendentals)
+    assert forecast.transcendental_seconds(k, unit) == pytest.approx(k.transcendentals / rate)
+    weighted = (1 + local.transcendental_cost["power"]) * (1 << 16) / rate
+    assert forecast.transcendental_seconds(k, local) == pytest.approx(weighted)
+
+
+def test_a_dots_signature_rebuilds_it_and_its_measured_time_is_what_the_forecast_reads(
+        local, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv(calibration.DIR_VAR, str(tmp_path))
+
+    def fn(a, b):  # a transposed contraction, as a backward pass makes
+        return lax.dot_general(a, b, (((0,), (0,)), ((), ())))
+
+    ks = step_cost.kernels(compiled_text(fn, jnp.ones((512, 96)), jnp.ones((512, 32))), 1)
+    (k,) = [k for k in ks if k.flops]
+    ((sig, flops),) = k.dots
+    assert sig == "f32[512,96];f32[512,32];f32[96,32];0;0;;" and flops == k.flops
+    cal = dots.with_dots(local, ks)
+    seconds = cal.dot_seconds[sig]
+    # physics: no faster than the host's best square products, nor than reading it once
+    assert flops / seconds < 2 * local.matmul["float32"].peak
+    assert seconds > (512 * 128 * 4) / (10 * local.memory.peak)
+    cached = json.loads(calibration.dots_cache_path(local.device).read_text())
+    assert cached == {sig: seconds}
+    assert dots.with_dots(local, ks, budget_s=0.0).dot_seconds == {sig: seconds}
+    # a dot is never forecast faster than square products of its FLOPs, slower where
+    # its shape measured slower
+    curve = flops / local.matmul_rate("float32", flops)
+    assert cal.dot_time(sig, "float32", flops) == max(curve, seconds)
+    assert cal.dot_time("f32[1,1];f32[1,1];f32[1,1];1;0;;", "float32", flops) == curve
+    f = forecast.forecast(ks, forecast.Basis(cal))
+    assert f["s_per_step"] >= f["floor_s"] > 0
+
+
+def test_no_dot_is_measured_without_budget_and_a_small_one_never(local, tmp_path: Path,
+                                                                 monkeypatch) -> None:
+    monkeypatch.setenv(calibration.DIR_VAR, str(tmp_path))
+    fn, args = PROGRAMS["mlp_step"]
+    ks = step_cost.kernels(compiled_text(fn, *args), 1)
+    assert dots.with_dots(local, ks, budget_s=-1.0).dot_seconds == {}
+    big = step_cost.Kernel("big", 1, 2 * 1024 ** 3, 0, "float32", 0, 0, 1 << 24,
+                           dots=(("f32[1024,1024];f32[1024,1024];f32[1024,1024];1;0;;",
+                                  2 * 1024 ** 3),))
+    measured = dots.with_dots(local, [*ks, big]).dot_seconds
+    assert list(measured) == [big.dots[0][0]]  # the step's own dots: under 0.5% of it

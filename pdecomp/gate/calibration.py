@@ -75,18 +75,31 @@ class Calibration:
     matmul: dict[str, Curve]  # operand dtype ("float32", "bfloat16") -> FLOP/s by FLOPs
     memory: Curve  # bytes/s by bytes a kernel reads and writes
     elementwise: Curve  # cheap operations (add, compare, shift...) per s by op-elements
-    transcendental: Curve  # exp, log, tanh... per s by op-elements
+    transcendental: Curve  # tanh per s by op-elements
+    # seconds of one element of each other transcendental op, in tanh's (absent: 1)
+    transcendental_cost: dict[str, float] = field(default_factory=dict)
     dispatch_s: float = 0.0  # once per step: the program's dispatch beside its kernels
     # bytes/s of memory first touched in a run: XLA:CPU's temporaries are allocated anew
     # each run and, above `fresh_threshold_bytes`, mapped anew (0: none, a GPU's pool)
     fresh_bytes_rate: float = 0.0
     fresh_threshold_bytes: int = 32 * 2**20
     links: dict[str, Link] = field(default_factory=dict)  # "nvlink", "network"
+    # seconds of one run of each of a step's own dots, measured on this device with cold
+    # operands (pdecomp.gate.dots), by signature (step_cost.dot_signature)
+    dot_seconds: dict[str, float] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)  # where each figure came from
 
     def matmul_rate(self, dtype: str, flops: float) -> float:
         curve = self.matmul.get(dtype) or self.matmul["float32"]
         return curve(flops)
+
+    def dot_time(self, signature: str, dtype: str, flops: float) -> float:
+        """One dot's seconds: at the rate of square products of its FLOPs, or slower
+        where its own shape was measured slower (a thin product: up to several times).
+        Never faster: alone, a step's large dots ran 10-25% faster than they do among the
+        step's other kernels (bench/RESULTS.md, the SmolLM2 step), at about the square
+        products' rate."""
+        return max(flops / self.matmul_rate(dtype, flops), self.dot_seconds.get(signature, 0.0))
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -100,12 +113,15 @@ class Calibration:
             device=d["device"], source=d["source"], launch_s=float(d["launch_s"]),
             matmul={k: curve(v) for k, v in d["matmul"].items()}, memory=curve(d["memory"]),
             elementwise=curve(d["elementwise"]), transcendental=curve(d["transcendental"]),
+            transcendental_cost={k: float(v)
+                                 for k, v in d.get("transcendental_cost", {}).items()},
             dispatch_s=float(d.get("dispatch_s", 0.0)),
             fresh_bytes_rate=float(d.get("fresh_bytes_rate", 0.0)),
             fresh_threshold_bytes=int(d.get("fresh_threshold_bytes", 32 * 2**20)),
             links={k: Link(float(v["latency_s"]), curve(v["bandwidth"]))
                    for k, v in d.get("links", {}).items()},
-            notes=dict(d.get("notes", {})))
+            notes=dict(d.get("notes", {})),
+            dot_seconds={k: float(v) for k, v in d.get("dot_seconds", {}).items()})
 
 
 def read(path: Path) -> Calibration:
@@ -120,8 +136,13 @@ def read(path: Path) -> Calibration:
 def write(cal: Calibration, path: Path) -> None:
     """Written whole or not at all (a half-written cache would be read as a calibration);
     storage.WriteFailed on a full disk."""
+    write_json(cal.to_json(), path)
+
+
+def write_json(data: dict[str, Any], path: Path) -> None:
+    """A cache file written whole or not at all; storage.WriteFailed on a full disk."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    storage.write_text(path, json.dumps(cal.to_json(), indent=1) + "\n")
+    storage.write_text(path, json.dumps(data, indent=1) + "\n")
 
 
 def for_card(card: str) -> Calibration:
@@ -137,6 +158,13 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def dots_cache_path(device_kind: str) -> Path:
+    """Where the seconds of the dots measured on the local device are cached (beside its
+    calibration: {signature: seconds})."""
+    path = cache_path(device_kind)
+    return path.with_name(path.stem + "-dots.json")
 
 
 def cache_path(device_kind: str) -> Path:

@@ -8,6 +8,7 @@ Peak per device = temp + argument + output − alias (docs/memory_gate.md).
 from __future__ import annotations
 
 import contextlib
+import dataclasses as dc
 import math
 import os
 import tempfile
@@ -21,7 +22,7 @@ import jaxlib
 
 from pdecomp.core import hardware
 from pdecomp.core.units import GiB, fmt_bytes
-from pdecomp.gate import forecast, step_cost
+from pdecomp.gate import dots, forecast, step_cost
 from pdecomp.gate.report import GateReport
 from pdecomp.gate.xla_dump import (
     compile_detached,
@@ -147,6 +148,8 @@ def step_report(text: str | None, n_devices: int, hosts: int,
     cost = step_cost.totals(ks)
     out = {**cost, "time": step_cost.roofline(cost, gpu) if gpu else None}
     if basis is not None:  # `fresh_bytes`: what a run allocates anew
+        if basis.local:
+            basis = dc.replace(basis, calibration=dots.with_dots(basis.calibration, ks))
         out["forecast"] = forecast.forecast(ks, basis, fresh_bytes)
     return out
 

@@ -8,9 +8,11 @@ count): pdecomp.gate.step_cost.kernels reads them. Each one takes
 
     launch + max(matmul FLOPs / matmul rate + elementwise ops / op rate, bytes / memory rate)
 
-its matmul rate the one measured for its operands' dtype at its FLOPs, its memory rate the
-one measured for its bytes, its ops rate for its op count: a kernel is bound by its compute
-or by its memory, never both at once. Kernels run one after another (XLA:GPU's stream
+its matmul rate the one measured for its operands' dtype at its FLOPs (square products),
+or, on the device at hand, its own shape's where that was measured slower (a thin product:
+pdecomp.gate.dots), its memory rate the one measured for its bytes, its ops
+rate for its op count, each transcendental weighted by what its op costs against tanh (a
+power: several): a kernel is bound by its compute or by its memory, never both at once. Kernels run one after another (XLA:GPU's stream
 does; XLA:CPU may run two independent kernels at once, which its measured rates, taken
 with every core busy, already account for). On a CPU, a run's temporaries are allocated
 anew and their pages first touched each run, at the measured rate of that
@@ -34,12 +36,15 @@ from pdecomp.gate.step_cost import Kernel
 @dataclass(frozen=True)
 class Basis:
     """What a gate forecasts its step with: the device's calibration, the tokens of one
-    step (0: its inputs are not tokens), and whether each run maps its temporaries anew (a
-    CPU process without the launcher's host switches, launcher/host.py)."""
+    step (0: its inputs are not tokens), whether each run maps its temporaries anew (a
+    CPU process without the launcher's host switches, launcher/host.py), and whether the
+    device is the one at hand (its calibration then gains the step's own dots, measured:
+    pdecomp.gate.dots)."""
 
     calibration: Calibration
     tokens_per_step: int = 0
     fresh_temporaries: bool = True
+    local: bool = False  # the device at hand: the step's own dots are measured on it
 
 
 def kernel_seconds(k: Kernel, cal: Calibration) -> dict[str, float]:
@@ -47,14 +52,23 @@ def kernel_seconds(k: Kernel, cal: Calibration) -> dict[str, float]:
     (the compute side), memory, collective."""
     if k.collective and k.link in cal.links:
         return {"launch": 0.0, "collectives": cal.links[k.link].seconds(k.sent_bytes)}
-    matmul = k.flops / cal.matmul_rate(k.dtype, k.flops) if k.flops else 0.0
-    ew = (k.ops / cal.elementwise(k.ops) if k.ops else 0.0) + (
-        k.transcendentals / cal.transcendental(k.transcendentals) if k.transcendentals
-        else 0.0)
+    matmul = (sum(cal.dot_time(sig, k.dtype, f) for sig, f in k.dots) if k.dots
+              else k.flops / cal.matmul_rate(k.dtype, k.flops) if k.flops else 0.0)
+    ew = (k.ops / cal.elementwise(k.ops) if k.ops else 0.0) + transcendental_seconds(k, cal)
     memory = k.bytes / cal.memory(k.bytes) if k.bytes else 0.0
     if matmul + ew >= memory:
         return {"launch": cal.launch_s, "matmul": matmul, "elementwise": ew}
     return {"launch": cal.launch_s, "memory": memory}
+
+
+def transcendental_seconds(k: Kernel, cal: Calibration) -> float:
+    """A kernel's transcendentals at tanh's rate for their count, each op weighted by its
+    measured cost in tanh's (a power is log, multiply and exp: several)."""
+    if not k.transcendentals:
+        return 0.0
+    weighted = sum(n * cal.transcendental_cost.get(op, 1.0)
+                   for op, n in k.transcendental_ops or (("tanh", k.transcendentals),))
+    return weighted / cal.transcendental(k.transcendentals)
 
 
 def floor_seconds(ks: list[Kernel], cal: Calibration) -> float:
@@ -67,6 +81,14 @@ def floor_seconds(ks: list[Kernel], cal: Calibration) -> float:
         if k.collective and k.link in cal.links:
             links[k.link] += k.runs * k.sent_bytes / cal.links[k.link].bandwidth.peak
     return max(matmul, memory / cal.memory.peak, sum(links.values()))
+
+
+def dots_known(ks: list[Kernel], cal: Calibration) -> dict[str, int]:
+    """How many of the step's dot shapes there are and how many were measured (the rest
+    at the square products' rate: a gate measures them within its budget, later gates
+    the rest)."""
+    shapes = {sig for k in ks for sig, _ in k.dots}
+    return {"dots": len(shapes), "dots_measured": len(shapes & set(cal.dot_seconds))}
 
 
 def forecast(ks: list[Kernel], basis: Basis, fresh_bytes: int = 0) -> dict[str, Any]:
@@ -94,6 +116,7 @@ def forecast(ks: list[Kernel], basis: Basis, fresh_bytes: int = 0) -> dict[str, 
                            ("matmul", "elementwise", "memory", "fresh_memory", "launch",
                             "collectives")},
            "kernels": sum(k.runs for k in ks), "collectives_overlap": 0.0,
+           **dots_known(ks, cal),
            "calibration": {"device": cal.device, "source": cal.source},
            "largest_kernels": [{"name": n, "s": s} for s, n in top[:5]]}
     if basis.tokens_per_step:

@@ -2,7 +2,7 @@
 a calibration (pdecomp.gate.calibration) for the gate's forecast.
 
 Each probe is a program of like kernels in a chain (an optimization barrier between two,
-so XLA fuses none of them into the next), timed whole (median of its runs) and read
+so XLA fuses none of them into the next), timed whole (the median of its runs) and read
 through the same kernel count the forecast makes of a train step (pdecomp.gate.forecast),
 so a probe measures exactly the quantities the forecast multiplies:
 
@@ -12,7 +12,8 @@ so a probe measures exactly the quantities the forecast multiplies:
 - memory bytes/s of elementwise kernels (one read, one write) from 256 KiB to 256 MiB, each
   on a buffer of its own, 256 MiB of them a run (cold, as in a step);
 - cheap elementwise op-elements/s (32 multiply-adds an element) and transcendentals/s
-  (tanh) at three sizes;
+  (tanh) at three sizes, and what each other transcendental op (exp, log, power...) costs
+  an element in tanh's;
 - on a CPU, first-touched memory: bytes/s of a run's fresh temporaries;
 - with several local GPUs, all-reduce over all of them at four sizes (alpha from the
   smallest, bandwidth by size), as the link within a host.
@@ -50,26 +51,30 @@ FRESH_BYTES = 32 * 2**20  # glibc's largest mmap threshold
 COLD_BYTES = 256 * 2**20  # more than any host's last-level cache
 
 
-def _median_s(run: Callable[[], Any], budget_s: float) -> float:
-    """Median seconds of `run()` (waited on): at least 5 runs, more within `budget_s`."""
+def _median_s(run: Callable[[], Any], budget_s: float, least: int = 5) -> float:
+    """Median seconds of `run()` (waited on): at least `least` runs, more within
+    `budget_s`. The median, not the least: a step's kernels sum to its time as their
+    typical times do (this host's best runs of a millisecond probe are 10-20% faster than
+    its typical ones; a second-long step has no such best runs)."""
     jax.block_until_ready(run())
     times: list[float] = []
     start = time.perf_counter()
-    while len(times) < 5 or (time.perf_counter() - start < budget_s and len(times) < 200):
+    while len(times) < least or (time.perf_counter() - start < budget_s
+                                 and len(times) < 200):
         t = time.perf_counter()
         jax.block_until_ready(run())
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
 
-def _timed(fn: Callable, args: tuple, budget_s: float = 0.15
+def timed(fn: Callable, args: tuple, budget_s: float = 0.15, least: int = 5
            ) -> tuple[float, list[Kernel], int]:
-    """Median seconds of one run of compiled `fn`, its kernels as the forecast reads them,
-    and its temporary bytes."""
+    """Median seconds of one run of compiled `fn`, its kernels as the forecast reads them, and
+    its temporary bytes."""
     compiled = jax.jit(fn).lower(*args).compile()
     temp = int(compiled.memory_analysis().temp_size_in_bytes)
-    return (_median_s(lambda: compiled(*args), budget_s), kernels(compiled.as_text(), 1),
-            temp)
+    return (_median_s(lambda: compiled(*args), budget_s, least),
+            kernels(compiled.as_text(), 1), temp)
 
 
 def chain(step: Callable, n: int) -> Callable:
@@ -95,7 +100,7 @@ def probe(step: Callable, args: tuple, pick: Callable[[Kernel], bool], launch: f
     no page is first touched in a run, which `fresh_rate` measures apart): the seconds of
     one beyond its launch."""
     n = max(2, min(R, FRESH_BYTES // (2 * max(_bytes(args[0]), 1))))
-    t, ks, _ = _timed(chain(step, n), args, budget_s)
+    t, ks, _ = timed(chain(step, n), args, budget_s)
     chosen = sum(k.runs for k in ks if pick(k))
     each = (t - dispatch - sum(k.runs for k in ks) * launch) / max(chosen, 1)
     return Probe(next(k for k in ks if pick(k)), max(each, 1e-9))
@@ -108,8 +113,8 @@ def _bytes(x: Any) -> int:
 def fixed_costs() -> tuple[float, float]:
     """(seconds per kernel, seconds per program dispatch)."""
     x = jnp.ones((16,), jnp.float32)
-    one, k1, _ = _timed(chain(lambda v: v * 1.0001 + 1e-4, 1), (x,))
-    many, k256, _ = _timed(chain(lambda v: v * 1.0001 + 1e-4, 256), (x,))
+    one, k1, _ = timed(chain(lambda v: v * 1.0001 + 1e-4, 1), (x,))
+    many, k256, _ = timed(chain(lambda v: v * 1.0001 + 1e-4, 256), (x,))
     n1, n256 = sum(k.runs for k in k1), sum(k.runs for k in k256)
     launch = max((many - one) / max(n256 - n1, 1), 1e-8)
     return launch, max(one - n1 * launch, 0.0)
@@ -163,7 +168,7 @@ def fresh_rate(cal: Calibration, buffer_bytes: int, n: int) -> float:
         ys = lax.optimization_barrier([v * (1.0 + i / n) for i in range(n)])
         return sum(ys[1:], ys[0])
 
-    t, ks, temp = _timed(fn, (x,))
+    t, ks, temp = timed(fn, (x,))
     kernels_s = cal.dispatch_s + sum(k.runs * sum(forecast.kernel_seconds(k, cal).values())
                                      for k in ks)
     return temp / (t - kernels_s) if t > kernels_s and temp >= FRESH_BYTES else 0.0
@@ -194,6 +199,34 @@ def elementwise(launch: float, dispatch: float, mem: Curve, n_elements: tuple[in
     return Curve(tuple(points))
 
 
+# Each transcendental op XLA may emit, as a step that keeps its values in range (chained 4
+# times in one kernel): what it costs an element against tanh's.
+OPS: dict[str, Callable] = {
+    "exponential": lambda v: jnp.exp(-v), "log": lambda v: jnp.log(v + 2.0),
+    "power": lambda v: v ** (v + 0.5), "logistic": jax.nn.sigmoid,
+    "sqrt": lambda v: jnp.sqrt(v + 0.25), "rsqrt": lambda v: lax.rsqrt(v + 1.0),
+    "erf": lax.erf, "sine": jnp.sin, "cosine": jnp.cos}
+
+
+def transcendental_costs(launch: float, dispatch: float, n: int) -> dict[str, float]:
+    """Seconds of one element of each op in OPS over tanh's, on n elements."""
+
+    def times4(op: Callable) -> Callable:
+        def run(v):
+            for _ in range(4):
+                v = op(v)
+            return v
+        return run
+
+    def each(op: Callable) -> float:
+        p = probe(times4(op), (jnp.full((n,), 0.5, jnp.float32),),
+                  lambda k: k.transcendentals > 0, launch, dispatch, budget_s=0.05)
+        return p.seconds / p.kernel.transcendentals
+
+    tanh = each(jnp.tanh)
+    return {name: round(each(op) / tanh, 3) for name, op in OPS.items()}
+
+
 def links(sizes_bytes: tuple[int, ...]) -> dict[str, Link]:
     """The collectives of all local devices (none with one device or on CPU, where the
     forecast counts a collective's bytes as memory traffic)."""
@@ -208,7 +241,7 @@ def links(sizes_bytes: tuple[int, ...]) -> dict[str, Link]:
                            jax.sharding.NamedSharding(mesh, spec))
         fn = jax.shard_map(chain(lambda v: lax.psum(v, "d"), R), mesh=mesh, in_specs=spec,
                            out_specs=spec)
-        t, _, _ = _timed(fn, (x,))
+        t, _, _ = timed(fn, (x,))
         sent = 2 * size * (len(devices) - 1) / len(devices)  # a ring all-reduce
         points.append((sent, t / R))
     alpha = points[0][1]
@@ -232,6 +265,7 @@ def measure() -> Calibration:
         dispatch_s=dispatch, matmul=mm, memory=mem,
         elementwise=elementwise(launch, dispatch, mem, sizes, False),
         transcendental=elementwise(launch, dispatch, mem, sizes, True),
+        transcendental_cost=transcendental_costs(launch, dispatch, sizes[1]),
         links=links((1 << 12, 1 << 20, 1 << 24, 1 << 27)))
     if device.platform != "cpu":  # a GPU's allocator keeps one pool, taken at start
         return cal

@@ -229,7 +229,8 @@ def forecast_basis(run: Run, mesh: Mesh, temporaries_reused: bool) -> forecast.B
     the local device's, measured and cached), and whether its temporaries are kept."""
     card = run.placement.target if run.placement.deviceless else None
     cal = microbench.for_target(card, mesh.devices.flat[0].device_kind)
-    return cal and forecast.Basis(cal, fresh_temporaries=not temporaries_reused)
+    return cal and forecast.Basis(cal, fresh_temporaries=not temporaries_reused,
+                                  local=card is None)
 
 
 def search_mesh(run: Run, init_key: Array, log: Callable[[str], None],

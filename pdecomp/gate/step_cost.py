@@ -29,7 +29,7 @@ import functools
 import math
 import re
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -299,6 +299,9 @@ class Kernel:
     collective: str = ""  # its kind, for a collective over two devices or more
     sent_bytes: float = 0.0  # one device's share
     link: str = ""  # "nvlink" within a host, "network" across
+    # the transcendentals by op (("power", n), ...): a power costs several tanh
+    transcendental_ops: tuple[tuple[str, int], ...] = ()
+    dots: tuple[tuple[str, int], ...] = ()  # each dot's signature and FLOPs
 
 
 def element_count(shape: str) -> int:
@@ -307,29 +310,58 @@ def element_count(shape: str) -> int:
                for _, dims in _ARRAY.findall(shape))
 
 
+@dataclass
+class _Work:
+    """What a kernel's instructions compute, summed while they are read."""
+
+    flops: int = 0
+    f32_flops: int = 0
+    dtype: str = ""
+    ops: int = 0
+    transcendentals: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    dots: list[tuple[str, int]] = field(default_factory=list)
+
+
+def dot_signature(ins: Instruction, shapes: dict[str, str]) -> str:
+    """A dot as `pdecomp.gate.microbench.dot_seconds` rebuilds it: its operands' and
+    result's types and shapes, layouts dropped, and its contracting and batch dimensions
+    (`lhs;rhs;result;lhs_contracting;rhs_contracting;lhs_batch;rhs_batch`)."""
+
+    def array(shape: str) -> str:
+        t, dims = (_ARRAY.findall(shape) or [("", "")])[0]
+        return f"{t}[{dims}]"
+
+    def dims(key: str) -> str:
+        m = re.search(key + r"=\{([\d,]*)\}", ins.attrs)
+        return m.group(1) if m else ""
+
+    return ";".join([array(shape_of(ins.operands[0], shapes)),
+                     array(shape_of(ins.operands[1], shapes)), array(ins.shape),
+                     *(dims(f"{side}_{kind}_dims") for kind in ("contracting", "batch")
+                       for side in ("lhs", "rhs"))])
+
+
 def _compute(body: list[Instruction], computations: dict[str, list[Instruction]],
-             shapes: dict[str, str]) -> tuple[int, int, str, int, int]:
-    """(matmul FLOPs, their float32 part, their operands' dtype, cheap ops,
-    transcendentals) of a kernel's instructions, a fusion nested in them included."""
-    flops = f32 = ops = trans = 0
-    dtype = ""
+             shapes: dict[str, str], work: _Work) -> _Work:
+    """Adds what a kernel's instructions compute, a fusion nested in them included, to
+    `work`: matmul FLOPs (their float32 part, their operands' dtype, each dot's signature),
+    cheap ops, transcendentals by op."""
     for i in body:
         if f := dot_flops(i, shapes):
             t = shape_of(i.operands[0], shapes).split("[")[0]
-            flops, dtype = flops + f, _DTYPES.get(t, t)
-            f32 += f if t == "f32" else 0
+            work.flops, work.dtype = work.flops + f, _DTYPES.get(t, t)
+            work.f32_flops += f if t == "f32" else 0
+            if i.op == "dot" and len(i.operands) == 2:
+                work.dots.append((dot_signature(i, shapes), f))
         elif i.op == "fusion" and (called := re.search(r"calls=%([\w.\-]+)", i.attrs)):
-            f, f32_, dtype_, o, tr = _compute(computations.get(called.group(1), []),
-                                              computations, shapes)
-            flops, f32, ops, trans = flops + f, f32 + f32_, ops + o, trans + tr
-            dtype = dtype_ or dtype
+            _compute(computations.get(called.group(1), []), computations, shapes, work)
         elif i.op in ("reduce", "reduce-window"):
-            ops += element_count(shape_of(i.operands[0], shapes)) if i.operands else 0
+            work.ops += element_count(shape_of(i.operands[0], shapes)) if i.operands else 0
         elif i.op in TRANSCENDENTAL:
-            trans += element_count(i.shape)
+            work.transcendentals[i.op] += element_count(i.shape)
         elif i.op not in NO_OPS:
-            ops += element_count(i.shape)
-    return flops, f32, dtype, ops, trans
+            work.ops += element_count(i.shape)
+    return work
 
 
 def kernels(text: str, n_devices: int, hosts: int = 1) -> list[Kernel]:
@@ -345,15 +377,17 @@ def kernels(text: str, n_devices: int, hosts: int = 1) -> list[Kernel]:
         for ins in instructions if times and name not in inner else ():
             if ins.op in FREE:
                 continue
-            flops, f32, dtype, ops, trans = _compute([ins], computations, shapes)
+            w = _compute([ins], computations, shapes, _Work())
             kind, sent, link = COLLECTIVES.get(ins.op, ""), 0.0, ""
             members = group_members(ins.attrs, n_devices) if kind else []
             if len(members) >= 2:
                 sent = sent_bytes(kind, _result_bytes(ins, shapes), len(members))
                 link = "network" if _crosses_hosts(ins, members, per_host) else "nvlink"
-            out.append(Kernel(ins.name, times, flops, f32, dtype, ops, trans,
-                              hbm_bytes(ins, computations, shapes),
-                              kind if link else "", sent, link))
+            out.append(Kernel(ins.name, times, w.flops, w.f32_flops, w.dtype, w.ops,
+                              sum(w.transcendentals.values()),
+                              hbm_bytes(ins, computations, shapes), kind if link else "",
+                              sent, link, tuple(sorted(w.transcendentals.items())),
+                              tuple(w.dots)))
     return out
 
 

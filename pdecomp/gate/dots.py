@@ -1,0 +1,109 @@
+"""A step's own dots measured on the device at hand, each shape once: a thin product (one
+dimension a few elements, or a long contraction into a small result) runs at a fraction of
+the rate a square product of its FLOPs reaches, by its shape and its operands' layout, and a
+step's are read cold. The measured seconds go into the calibration the gate forecasts with
+(`Calibration.dot_seconds`, read by `Calibration.dot_time`), cached per device beside its
+calibration (`calibration.dots_cache_path`).
+
+On this 2-core CPU the TMS 5-2 step's 17 dot shapes measured 8-230 GFLOP/s against the
+square products' 110-200 at their FLOPs (bench/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses as dc
+import json
+import time
+from collections import defaultdict
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pdecomp.core.storage import WriteFailed
+from pdecomp.gate import calibration, forecast, microbench
+from pdecomp.gate.calibration import Calibration
+from pdecomp.gate.step_cost import Kernel, array_bytes
+
+SMALL_DOT = 0.005  # a dot's share of a step's matmul time below which it is not measured
+
+
+def _operands(signature: str, copies: int) -> tuple[list, list, tuple]:
+    """`copies` pairs of a dot's operands (step_cost.dot_signature) and its dimensions."""
+    lhs, rhs, _, *dims = signature.split(";")
+
+    def array(spec: str, i: int) -> jax.Array:
+        t, shape = spec.rstrip("]").split("[")
+        dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16,
+                 "f64": jnp.float64}.get(t)
+        if dtype is None:
+            raise ValueError(f"no probe for a dot on {t}")
+        return jnp.full(tuple(int(n) for n in shape.split(",") if n), 1.0 + i / 64, dtype)
+
+    lc, rc, lb, rb = (tuple(int(n) for n in d.split(",") if n) for d in dims)
+    return ([array(lhs, i) for i in range(copies)], [array(rhs, i) for i in range(copies)],
+            ((lc, rc), (lb, rb)))
+
+
+def dot_seconds(signature: str, cal: Calibration) -> float:
+    """Seconds of one run of a step's dot, measured with its operands cold, as a step's
+    are (read long after they were written: its rate from square products, their operands
+    in cache, runs a thin product up to three times too fast): a chain of it over copies
+    of its operands, microbench.COLD_BYTES of them, each dot waiting on the last one's result (one
+    element of it added to its smaller operand). What the chain's other kernels and a
+    first touch of its temporaries cost (at `cal`) is taken off."""
+    lhs, rhs = signature.split(";")[:2]
+    copies = max(1, min(16, microbench.COLD_BYTES // max(array_bytes(lhs) + array_bytes(rhs), 1)))
+    xs, ys, dims = _operands(signature, copies)
+    n, small = max(copies, 2), int(array_bytes(rhs) > array_bytes(lhs))
+
+    def run(xs, ys):
+        s = jnp.zeros((), jnp.float32)
+        for i in range(n):
+            pair = [xs[i % copies], ys[i % copies]]
+            pair[small] = pair[small] + s.astype(pair[small].dtype)
+            s = lax.dot_general(*pair, dims).reshape(-1)[0].astype(jnp.float32) * 1e-30
+        return s
+
+    t, ks, temp = microbench.timed(run, (xs, ys), budget_s=0.05, least=3)
+    if sum(k.runs for k in ks if k.flops) != n:
+        raise ValueError(f"the probe of {signature} compiled to other kernels")
+    other = sum(k.runs * sum(forecast.kernel_seconds(k, cal).values())
+                for k in ks if not k.flops)
+    fresh = temp / cal.fresh_bytes_rate if (cal.fresh_bytes_rate and
+                                            temp >= cal.fresh_threshold_bytes) else 0.0
+    return max((t - cal.dispatch_s - other - fresh) / n - cal.launch_s, 1e-9)
+
+
+def with_dots(cal: Calibration, ks: list[Kernel], budget_s: float = 1.0) -> Calibration:
+    """`cal` with the seconds of the step's own dots (`dot_seconds`): read from the local
+    device's cache, the rest measured now, the dots that take the step longest first,
+    until `budget_s` is spent (those left are forecast at the square products' rate), and
+    cached. Dots under SMALL_DOT of the step's matmul time, together mostly their launches,
+    and a dot that cannot be measured are forecast at that rate too."""
+    path = calibration.dots_cache_path(cal.device)
+    try:
+        cached = {str(k): float(v) for k, v in json.loads(path.read_text()).items()}
+    except (OSError, ValueError, AttributeError):
+        cached = {}
+    weight: dict[str, float] = defaultdict(float)
+    for k in ks:
+        for sig, f in k.dots:
+            weight[sig] += k.runs * f / cal.matmul_rate(k.dtype, f)
+    start, new, total = time.perf_counter(), {}, sum(weight.values())
+    for sig in sorted(weight, key=weight.__getitem__, reverse=True):
+        if weight[sig] < SMALL_DOT * total or time.perf_counter() - start > budget_s:
+            break
+        if sig in cached:
+            continue
+        try:
+            new[sig] = dot_seconds(sig, cal)
+        except Exception:  # noqa: BLE001, S112 - a probe that fails leaves the dot to the curve
+            continue
+    if new:
+        try:
+            calibration.write_json({**cached, **new}, path)
+        except (OSError, WriteFailed):
+            pass  # unwritable: the next gate measures them again
+    known = {**cached, **new}
+    return dc.replace(cal, dot_seconds={s: known[s] for s in weight if s in known})
