@@ -169,6 +169,12 @@ def test_run_with_overrides_in_every_group(full_run) -> None:
         assert k in summary, (k, sorted(summary))
     assert summary["steps"] == 40
     assert 0 <= summary["live/linear1"] <= 12
+    # the gate's forecast of a step beside the steps' measured time (a 2-core host's steps
+    # of a few ms: the loop's own work between them counts, the ratio well under 10)
+    forecast_s = gate["step"]["forecast"]["s_per_step"]
+    logged = [h for h in load_json(run_dir / "history.json") if "perf/step_s" in h]
+    assert {h["perf/forecast_step_s"] for h in logged} == {forecast_s}
+    assert 0.05 < summary["perf/forecast_over_measured"] < 10
     assert 0.0 < summary["mmcs/linear1"] <= 1.0 + 1e-6
 
     png = run_dir / "mean_ci.png"

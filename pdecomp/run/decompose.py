@@ -23,7 +23,13 @@ from pdecomp.plan.validation import validate
 from pdecomp.run.checkpoint import Checkpointer
 from pdecomp.run.evaluation import Learned, draw, evaluate
 from pdecomp.run.hooks import Hooks
-from pdecomp.run.loop import Interrupted, NonFiniteLoss, initial_state, train
+from pdecomp.run.loop import (
+    Interrupted,
+    NonFiniteLoss,
+    forecast_over_measured,
+    initial_state,
+    train,
+)
 from pdecomp.run.restore import check_resumable
 
 __all__ = ["GateRefused", "Hooks", "Interrupted", "NonFiniteLoss", "decompose", "prepare"]
@@ -95,6 +101,8 @@ def decompose(run: Run | RunConfig, run_dir: str | Path, hooks: Hooks | None = N
     made_by = provenance()
     summary.update({"steps": steps, "target/seed": target_meta.get("seed"),
                     "pdecomp/version": made_by["pdecomp"], "pdecomp/commit": made_by["commit"]})
+    if (ratio := forecast_over_measured(history)) is not None:
+        summary["perf/forecast_over_measured"] = ratio
     if calibrate(g.report, g.mesh):  # the whole run's peak, evaluation included
         g.report.write(run_dir)
         summary["hbm/predicted_over_measured"] = g.report.predicted_over_measured

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -173,6 +174,8 @@ class MetricsLog:
         if tokens := g.run.kind.tokens_per_example(g.run.config.data):
             last["perf/tokens_per_s"] = last["perf/examples_per_s"] * tokens
         self.t_log = now
+        if forecast := (g.report.step or {}).get("forecast"):
+            last["perf/forecast_step_s"] = forecast["s_per_step"]
         last["hbm/predicted_peak_gib"] = g.report.peak_bytes / GiB
         if measured := measured_memory(g.mesh):
             last["hbm/peak_gib"], last["hbm/in_use_gib"] = (b / GiB for b in measured)
@@ -188,6 +191,18 @@ class MetricsLog:
         if not (self.history and self.history[-1]["step"] == done):
             self.history.append({"step": done})
         self.history[-1].update(figures)
+
+
+def forecast_over_measured(history: list[dict[str, float]]) -> float | None:
+    """The gate's forecast of a step over the steps' measured time: the median of the
+    logged intervals after the first (which holds the first step's compile and warm-up).
+    The loop's own work between steps (metrics read back, logging) is in the measured
+    time, as a user's clock sees it. None with fewer than two logged intervals."""
+    timed = [h for h in history if "perf/step_s" in h][1:]
+    if not timed or "perf/forecast_step_s" not in timed[-1]:
+        return None
+    return timed[-1]["perf/forecast_step_s"] / statistics.median(
+        h["perf/step_s"] for h in timed)
 
 
 def checkpoint(ckpt: Checkpointer, run_dir: Path, step: int, state: TrainState,
