@@ -106,13 +106,15 @@ def cpu_row(name: str, steps: int, overrides: list[str], library: bool,
     for _ in range(repeats):
         out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=os.environ)
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    errors = [r["forecast"]["s_per_step"] / r["measured_s"] - 1 for r in runs]
+    errors = [r["forecast_s"] / r["measured_s"] - 1 for r in runs]
     mid = sorted(range(repeats), key=errors.__getitem__)[repeats // 2]  # the median run
     f, measured = runs[mid]["forecast"], runs[mid]["measured_s"]
     return {"job": name, "card": "cpu", "cpu": _cpu(), "measured_s": measured,
             "runs_s": [r["measured_s"] for r in runs], "seconds": [r["seconds"] for r in runs],
-            "forecast": f, "forecast_s": f["s_per_step"], "floor_s": f["floor_s"],
-            "forecasts_s": [r["forecast"]["s_per_step"] for r in runs],
+            "forecast": f, "forecast_s": runs[mid]["forecast_s"], "floor_s": f["floor_s"],
+            "forecasts_s": [r["forecast_s"] for r in runs],
+            "forecasts_before_after_s": [[r["forecast"]["s_per_step"],
+                                          r["forecast_after"]["s_per_step"]] for r in runs],
             "forecast_error": errors[mid], "errors_by_run": errors,
             "calibration": f["calibration"], "temp_bytes": runs[-1]["temp_bytes"],
             "minor_faults_per_step": runs[-1]["minor_faults_per_step"],

@@ -8,8 +8,9 @@ programs run inline, freed blocks kept, so a CPU step reuses its temporaries) an
 told so. `--library`: a library caller's process, left as it is (each CPU step maps its
 temporaries anew). `--calibrate`: this process measures its calibration (no cache), its gate
 makes the forecast from it, with every dot of the step measured (a gate measures them for a
-second at most; later gates the rest): a calibration and a step timed in one spell of a
-host whose speed drifts.
+second at most; later gates the rest), and measures it again, dots included, once the steps
+are timed: the step is compared with the mean of the two forecasts, so calibration and step
+share one spell of a host whose speed drifts by up to 2x over minutes.
 
 Prints one JSON line: the median and every step's seconds (three warm-up steps first, on
 batches drawn before timing), the gate's forecast and floor, minor page faults a step.
@@ -39,18 +40,24 @@ from pdecomp.run.loop import initial_state
 WARMUP = 3
 
 
+def forecast_with(cal: calibration.Calibration, g, ks: list[step_cost.Kernel],
+                  job: bool) -> dict:
+    """The gated step's forecast with calibration `cal`."""
+    r = g.report
+    return forecast.forecast(ks, forecast.Basis(cal, fresh_temporaries=not job),
+                             r.temp_bytes + r.output_bytes - r.alias_bytes)
+
+
 def timed(overrides: list[str], steps: int, work: Path, job: bool, calibrate: bool) -> dict:
     if job:
         host.run_programs_inline()  # before JAX starts its backend, as launcher/job.py
     run = prepare(api.compose(["logging.wandb.mode=disabled", *overrides]))
     g = gate(run, work, False, lambda _: None, temporaries_reused=job)
     f = g.report.step["forecast"]
+    ks = step_cost.kernels(g.compiled.as_text(), 1)
     if calibrate:  # the gate measured this process's calibration; now every dot of the step
-        ks = step_cost.kernels(g.compiled.as_text(), 1)
-        cal = dots.with_dots(microbench.local(jax.devices()[0].device_kind), ks, 600.0)
-        r = g.report
-        f = forecast.forecast(ks, forecast.Basis(cal, fresh_temporaries=not job),
-                              r.temp_bytes + r.output_bytes - r.alias_bytes)
+        f = forecast_with(dots.with_dots(microbench.local(jax.devices()[0].device_kind), ks,
+                                         600.0), g, ks, job)
     target, _ = load_target(g.run, g.target_abs, lambda _: None)
     if job:
         host.keep_freed_blocks_on_cpu()
@@ -70,8 +77,14 @@ def timed(overrides: list[str], steps: int, work: Path, job: bool, calibrate: bo
         jax.block_until_ready((state, m))
         seconds.append(time.perf_counter() - t)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    if calibrate:  # measured again, dots too: a cache of its own, empty
+        os.environ[calibration.DIR_VAR] = str(work / "calibration_after")
+    after = (forecast_with(dots.with_dots(microbench.measure(), ks, 600.0), g, ks, job)
+             if calibrate else f)
     return {"measured_s": statistics.median(seconds), "seconds": seconds,
-            "forecast": f, "floor_s": f["floor_s"], "calibrated_here": calibrate,
+            "forecast": f, "forecast_after": after,
+            "forecast_s": (f["s_per_step"] + after["s_per_step"]) / 2,
+            "floor_s": f["floor_s"], "calibrated_here": calibrate,
             "peak_bytes": g.report.peak_bytes, "temp_bytes": g.report.temp_bytes,
             "minor_faults_per_step": faults / steps, "overrides": overrides, "job": job}
 
