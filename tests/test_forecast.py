@@ -175,11 +175,20 @@ def test_calibrate_writes_a_calibration_and_refuses_what_it_would_overwrite(
     proc = pdecomp(["calibrate", "-o", str(tmp_path)], tmp_path, env)
     assert proc.returncode == 2 and "a file to write" in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.json"]  # nothing written
-    out = tmp_path / "new" / "cpu.json"
-    proc = pdecomp(["calibrate", "-o", str(out)], tmp_path, env)
+    proc = pdecomp(["calibrate", "-o", str(tmp_path / "a.json"), "optim.stepz=3"], tmp_path,
+                   env)
+    assert proc.returncode == 2 and "optim.stepz" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and not (tmp_path / "a.json").exists()
+    # with a run's overrides, every dot of its step that counts is measured into the cache
+    out, cache = tmp_path / "new" / "cpu.json", tmp_path / "cache"
+    proc = pdecomp(["calibrate", "-o", str(out), "data.batch_size=1024"], tmp_path,
+                   {**env, calibration.DIR_VAR: str(cache)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     cal = calibration.read(out)
     assert cal.source.startswith("measured") and cal.matmul["float32"].peak > 0
+    (dots_file,) = cache.glob("*-dots.json")
+    measured = json.loads(dots_file.read_text())
+    assert f"the step's dots: {len(measured)} of " in proc.stderr and len(measured) >= 4
 
 
 def test_a_job_that_reuses_its_temporaries_is_forecast_without_first_touches(
@@ -263,5 +272,22 @@ def test_no_dot_is_measured_without_budget_and_a_small_one_never(local, tmp_path
     big = step_cost.Kernel("big", 1, 2 * 1024 ** 3, 0, "float32", 0, 0, 1 << 24,
                            dots=(("f32[1024,1024];f32[1024,1024];f32[1024,1024];1;0;;",
                                   2 * 1024 ** 3),))
-    measured = dots.with_dots(local, [*ks, big]).dot_seconds
+    measured = dots.with_dots(local, [*ks, big], budget_s=60.0).dot_seconds
     assert list(measured) == [big.dots[0][0]]  # the step's own dots: under 0.5% of it
+
+
+def test_a_probe_too_long_for_what_is_left_is_skipped_for_one_that_fits(
+        local, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv(calibration.DIR_VAR, str(tmp_path))
+    big_sig = "f32[1024,1024];f32[1024,1024];f32[1024,1024];1;0;;"
+    thin_sig = "f32[4096,160];f32[160,10];f32[4096,10];1;0;;"
+    big_flops, thin_flops = 2 * 1024 ** 3, 2 * 4096 * 160 * 10
+    big = step_cost.Kernel("big", 1, big_flops, 0, "float32", 0, 0, 1 << 24,
+                           dots=((big_sig, big_flops),))
+    thin = step_cost.Kernel("thin", 10, thin_flops, 0, "float32", 0, 0, 1 << 20,
+                            dots=((thin_sig, thin_flops),))
+    cost = {sig: dots.probe_cost_s(sig, f / local.matmul_rate("float32", f))
+            for sig, f in ((big_sig, big_flops), (thin_sig, thin_flops))}
+    assert cost[thin_sig] < 0.5 * cost[big_sig]  # the big one's chain of 16 dominates
+    measured = dots.with_dots(local, [big, thin], budget_s=0.9 * cost[big_sig]).dot_seconds
+    assert list(measured) == [thin_sig]

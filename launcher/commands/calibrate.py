@@ -1,16 +1,29 @@
-"""`pdecomp calibrate [-o FILE]`: the local device's microbenchmark (pdecomp.gate.microbench),
-the calibration the gate's forecast reads, printed as JSON or written to FILE (a card's file
-for pdecomp/gate/calibrations, or PDECOMP_CALIBRATION's)."""
+"""`pdecomp calibrate [-o FILE] [OVERRIDE ...]`: the local device's microbenchmark
+(pdecomp.gate.microbench), the calibration the gate's forecast reads, printed as JSON or
+written to FILE (a card's file for pdecomp/gate/calibrations, or PDECOMP_CALIBRATION's).
+With a run's overrides, the step of that run is compiled too and every one of its dots
+measured on this device (pdecomp.gate.dots), into the cache its gates read: a gate measures
+them for a tenth of its compile time at most, so a new model's forecast is otherwise refined
+over its first gates."""
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from launcher.commands.common import Parser, refuse
 from pdecomp.core import storage
+
+if TYPE_CHECKING:
+    from pdecomp.core.config import RunConfig
+    from pdecomp.gate.calibration import Calibration
+    from pdecomp.plan.resolve import Run
 
 PROG = "pdecomp calibrate"
 
@@ -19,6 +32,9 @@ def parser() -> Parser:
     p = Parser(prog=PROG, description="Measure what this machine's device achieves by the "
                                       "size of its work: the gate's forecast reads it.")
     p.add_argument("-o", "--out", help="write the calibration here (JSON); default: print it")
+    p.add_argument("overrides", nargs="*", metavar="OVERRIDE",
+                   help="a run's overrides, as `pdecomp` takes them: its step's dots "
+                        "measured too")
     return p
 
 
@@ -36,6 +52,14 @@ def main(argv: Sequence[str]) -> int:
         except ConfigError:
             return refuse(PROG, f"-o {args.out}: exists and is not a calibration file; "
                                 "name a new file")
+    run = None
+    if args.overrides:
+        from launcher import api
+
+        try:
+            run = local_run(api.compose(args.overrides))
+        except ConfigError as e:
+            return refuse(PROG, str(e))
     from pdecomp.gate import microbench  # jax starts only for a valid call
 
     cal = microbench.measure()
@@ -44,4 +68,49 @@ def main(argv: Sequence[str]) -> int:
         print(f"calibration of {cal.device}: {out}", file=sys.stderr)
     else:
         print(json.dumps(cal.to_json(), indent=1))
+    if run is not None:
+        print(step_dots(run, cal), file=sys.stderr)
     return 0
+
+
+def local_run(cfg: RunConfig) -> Run:
+    """The run resolved for this machine's devices (jax starts here); a deviceless one
+    refused."""
+    from pdecomp.core.config import ConfigError
+    from pdecomp.run.decompose import prepare
+
+    run = prepare(cfg)
+    if run.placement.deviceless:
+        raise ConfigError("gate.target", run.placement.target,
+                          "calibrate measures this machine's devices; leave gate.target unset")
+    return run
+
+
+def step_dots(run: Run, cal: Calibration) -> str:
+    """Every dot of the run's step measured with `cal` (cached for its gates); the line
+    that says so, with the step's forecast as a `pdecomp` job's gate now makes it."""
+    import jax
+
+    from pdecomp.gate import calibration, dots, forecast, step_cost
+    from pdecomp.gate.step import prepare
+
+    with tempfile.TemporaryDirectory() as d:
+        given = Path(d) / "calibration.json"  # the compile's forecast reads `cal`, not a cache
+        calibration.write(cal, given)
+        before, os.environ[calibration.FILE_VAR] = os.environ.get(calibration.FILE_VAR), str(given)
+        try:
+            compiled, report = prepare(run, jax.random.PRNGKey(run.config.seed),
+                                       False).compile(run)
+        finally:
+            os.environ.pop(calibration.FILE_VAR)
+            if before is not None:
+                os.environ[calibration.FILE_VAR] = before
+    ks = step_cost.kernels(compiled.as_text(), report.n_devices)
+    cal = dots.with_dots(cal, ks, budget_s=math.inf)
+    f = forecast.forecast(ks, forecast.Basis(cal, fresh_temporaries=False),
+                          report.temp_bytes + report.output_bytes - report.alias_bytes)
+    shapes = {sig for k in ks for sig, _ in k.dots}
+    return (f"the step's dots: {len(cal.dot_seconds)} of {len(shapes)} shapes measured "
+            f"(the others under {dots.SMALL_DOT:.1%} of its matmul time, or not measurable), cached in "
+            f"{calibration.dots_cache_path(cal.device)}; forecast {f['s_per_step']:.4g} s a "
+            f"step (floor {f['floor_s']:.4g} s)")

@@ -132,16 +132,18 @@ def compile_and_report(fn: Callable, args: tuple, *, donate_argnums: tuple[int, 
         jax=jax.__version__, jaxlib=jaxlib.__version__,
         xla_flags=os.environ.get("XLA_FLAGS", ""), argument_parts_bytes=parts or {},
         largest_temps=temps, step=step_report(text, math.prod(mesh.values()), hosts, gpu,
-                                              basis, fresh_bytes=temp + out - alias))
+                                              basis, fresh_bytes=temp + out - alias,
+                                              dots_budget_s=dots.GATE_SHARE * compile_s))
     return compiled, report
 
 
 def step_report(text: str | None, n_devices: int, hosts: int,
                 gpu: hardware.GpuSpec | None, basis: forecast.Basis | None = None,
-                fresh_bytes: int = 0) -> dict[str, Any] | None:
+                fresh_bytes: int = 0, dots_budget_s: float = 0.0) -> dict[str, Any] | None:
     """gate.json's `step`: per device FLOPs, HBM bytes and collective bytes by kind; with a
     GPU's rates the roofline time (a floor); with the device's calibration the forecast
-    (pdecomp.gate.forecast). None where XLA left no optimized module."""
+    (pdecomp.gate.forecast), on a local device with the step's dots measured for up to
+    `dots_budget_s` (pdecomp.gate.dots). None where XLA left no optimized module."""
     if not text:
         return None
     ks = step_cost.kernels(text, n_devices, hosts)
@@ -149,7 +151,8 @@ def step_report(text: str | None, n_devices: int, hosts: int,
     out = {**cost, "time": step_cost.roofline(cost, gpu) if gpu else None}
     if basis is not None:  # `fresh_bytes`: what a run allocates anew
         if basis.local:
-            basis = dc.replace(basis, calibration=dots.with_dots(basis.calibration, ks))
+            basis = dc.replace(basis, calibration=dots.with_dots(basis.calibration, ks,
+                                                                 dots_budget_s))
         out["forecast"] = forecast.forecast(ks, basis, fresh_bytes)
     return out
 

@@ -26,6 +26,22 @@ from pdecomp.gate.calibration import Calibration
 from pdecomp.gate.step_cost import Kernel, array_bytes
 
 SMALL_DOT = 0.005  # a dot's share of a step's matmul time below which it is not measured
+PROBE_FIXED_S = 0.2  # a probe's compile and operands on 2 CPU cores: 0.12-0.29 s measured
+GATE_SHARE = 0.1  # of its compile time, what a gate spends measuring the step's dots
+
+
+def probe_cost_s(signature: str, dot_s: float) -> float:
+    """About what measuring a dot takes (dot_seconds: a warm-up run and at least three of a
+    chain of `_chain_length` dots, each `dot_s` long, and a compile)."""
+    return PROBE_FIXED_S + 4 * _chain_length(signature)[1] * dot_s + 0.05
+
+
+def _chain_length(signature: str) -> tuple[int, int]:
+    """How many copies of a dot's operands make them cold, and the chain's length."""
+    lhs, rhs = signature.split(";")[:2]
+    copies = max(1, min(16, microbench.COLD_BYTES // max(array_bytes(lhs) + array_bytes(rhs),
+                                                           1)))
+    return copies, max(copies, 2)
 
 
 def _operands(signature: str, copies: int) -> tuple[list, list, tuple]:
@@ -53,9 +69,9 @@ def dot_seconds(signature: str, cal: Calibration) -> float:
     element of it added to its smaller operand). What the chain's other kernels and a
     first touch of its temporaries cost (at `cal`) is taken off."""
     lhs, rhs = signature.split(";")[:2]
-    copies = max(1, min(16, microbench.COLD_BYTES // max(array_bytes(lhs) + array_bytes(rhs), 1)))
+    copies, n = _chain_length(signature)
     xs, ys, dims = _operands(signature, copies)
-    n, small = max(copies, 2), int(array_bytes(rhs) > array_bytes(lhs))
+    small = int(array_bytes(rhs) > array_bytes(lhs))
 
     def run(xs, ys):
         s = jnp.zeros((), jnp.float32)
@@ -77,24 +93,28 @@ def dot_seconds(signature: str, cal: Calibration) -> float:
 
 def with_dots(cal: Calibration, ks: list[Kernel], budget_s: float = 1.0) -> Calibration:
     """`cal` with the seconds of the step's own dots (`dot_seconds`): read from the local
-    device's cache, the rest measured now, the dots that take the step longest first,
-    until `budget_s` is spent (those left are forecast at the square products' rate), and
-    cached. Dots under SMALL_DOT of the step's matmul time, together mostly their launches,
-    and a dot that cannot be measured are forecast at that rate too."""
+    device's cache, the rest measured now, the dots that take the step longest first, each
+    whose probe (`probe_cost_s`) fits in what is left of `budget_s` (those left are forecast
+    at the square products' rate), and cached. Dots under SMALL_DOT of the step's matmul
+    time, together mostly their launches, and a dot that cannot be measured are forecast at
+    that rate too."""
     path = calibration.dots_cache_path(cal.device)
     try:
         cached = {str(k): float(v) for k, v in json.loads(path.read_text()).items()}
     except (OSError, ValueError, AttributeError):
         cached = {}
     weight: dict[str, float] = defaultdict(float)
+    once: dict[str, float] = {}
     for k in ks:
         for sig, f in k.dots:
-            weight[sig] += k.runs * f / cal.matmul_rate(k.dtype, f)
+            once[sig] = f / cal.matmul_rate(k.dtype, f)
+            weight[sig] += k.runs * once[sig]
     start, new, total = time.perf_counter(), {}, sum(weight.values())
     for sig in sorted(weight, key=weight.__getitem__, reverse=True):
-        if weight[sig] < SMALL_DOT * total or time.perf_counter() - start > budget_s:
+        if weight[sig] < SMALL_DOT * total:
             break
-        if sig in cached:
+        left = budget_s - (time.perf_counter() - start)
+        if sig in cached or probe_cost_s(sig, once[sig]) > left:
             continue
         try:
             new[sig] = dot_seconds(sig, cal)
