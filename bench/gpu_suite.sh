@@ -7,6 +7,8 @@
 #                                    measured peak
 #   bench/gpu_suite.sh quality OUT   the robust recipe on SmolLM2, reported as VPD reports
 #   bench/gpu_suite.sh all OUT       both
+#   bench/gpu_suite.sh flags OUT     the peers' GPU flags, each alone against XLA's defaults
+#                                    (bench/gpu_flags.py; FLAGS_BUDGET_S, default 240)
 #   bench/gpu_suite.sh stash         only keep what this transfer brought (below)
 #
 # Its inputs, under .gpu/ in the checkout at any depth: spd.tar.xz (the reference at
@@ -22,7 +24,7 @@
 # `speed` 300 s (four rows of about 30 s for pdecomp and 30 s for the reference), `quality`
 # 319 s at CURVE_BATCHES=2 (the model's conversion, a 55 s compile, 100 s of steps).
 set -euo pipefail
-phase=${1:?speed, quality, all or stash}
+phase=${1:?speed, quality, all, flags or stash}
 root=$(cd "$(dirname "$0")/.." && pwd)
 state=${GPU_SUITE_STATE:-/tmp/pdecomp-gpu-suite}
 py=${PYTHON:-python3}
@@ -63,6 +65,10 @@ if [ "$phase" = speed ] || [ "$phase" = all ]; then
   "$py" "$root/bench/gpu_suite.py" speed --out "$out" --model "$state/meta/smollm2" \
     --spd "$state/spd" --ref-path "$state/ref-site" \
     --budget-s "${SPEED_BUDGET_S:-240}" ${REDUCED:+--reduced}
+fi
+if [ "$phase" = flags ]; then
+  "$py" "$root/bench/gpu_flags.py" --out "$out" --budget-s "${FLAGS_BUDGET_S:-240}" \
+    ${REDUCED:+--reduced}
 fi
 if [ "$phase" = quality ] || [ "$phase" = all ]; then
   if [ ! -d "$state/smollm2" ]; then
