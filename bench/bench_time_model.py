@@ -92,7 +92,7 @@ def row(name: str, card: str, measured: dict, report: dict, wall_s: float) -> di
             "f32_flops": step.get("f32_flops"), "hbm_bytes": step["hbm_bytes"],
             "time": t, "floor_s": t["roofline_s"], "bound": t["bound"], "forecast": f,
             "forecast_s": f["s_per_step"], "forecast_error": f["s_per_step"] / s - 1,
-            "calibration": f["calibration"], "gate_wall_s": wall_s}
+            "calibration": f["calibration"], "gate_wall_s": wall_s, "commit": _commit()}
 
 
 def cpu_row(name: str, steps: int, overrides: list[str], library: bool,
