@@ -179,6 +179,8 @@ def test_calibrate_writes_a_calibration_and_refuses_what_it_would_overwrite(
                    env)
     assert proc.returncode == 2 and "optim.stepz" in proc.stderr
     assert proc.stderr.count("\n") == 1 and not (tmp_path / "a.json").exists()
+    proc = pdecomp(["calibrate", "gate.only=true", "gate.target=h100"], tmp_path, env)
+    assert proc.returncode == 2 and "leave gate.target unset" in proc.stderr
     # with a run's overrides, every dot of its step that counts is measured into the cache
     out, cache = tmp_path / "new" / "cpu.json", tmp_path / "cache"
     proc = pdecomp(["calibrate", "-o", str(out), "data.batch_size=1024"], tmp_path,
