@@ -44,7 +44,7 @@ def forecast_with(cal: calibration.Calibration, g, ks: list[step_cost.Kernel],
                   job: bool) -> dict:
     """The gated step's forecast with calibration `cal`."""
     r = g.report
-    return forecast.forecast(ks, forecast.Basis(cal, fresh_temporaries=not job),
+    return forecast.forecast(ks, forecast.Basis(cal, fresh_temporaries=not job, local=True),
                              r.temp_bytes + r.output_bytes - r.alias_bytes)
 
 

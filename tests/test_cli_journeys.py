@@ -363,6 +363,8 @@ def test_gate_only_writes_report_and_no_summary(env: dict[str, str], tmp_path: P
     f = gate["step"]["forecast"]
     assert f["s_per_step"] >= f["floor_s"] > 0
     assert "forecast step" in proc.stderr and "examples/s" in proc.stderr
+    # a local device's gate says how many of the step's dot shapes it has measured
+    assert f"{f['dots_measured']} of its {f['dots']} dot shapes measured" in proc.stderr
 
 
 def test_tiny_hbm_cap_refuses_with_exit_3(env: dict[str, str], tmp_path: Path) -> None:

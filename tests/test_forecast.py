@@ -211,10 +211,10 @@ def test_a_job_that_reuses_its_temporaries_is_forecast_without_first_touches(
                    .report.step["forecast"] for reused in (False, True))
     assert fresh["breakdown_s"]["fresh_memory"] > 0 == kept["breakdown_s"]["fresh_memory"]
     # the kernels alike, but for the dots the second gate may have measured since (each
-    # gate measures them for a second at most): never faster for that
+    # gate measures them for a tenth of its compile at most): never faster for that
     assert kept["kernels"] == fresh["kernels"]
     assert kept["breakdown_s"]["launch"] == pytest.approx(fresh["breakdown_s"]["launch"])
-    assert 0 < fresh["dots_measured"] <= kept["dots_measured"] <= kept["dots"]
+    assert 0 <= fresh["dots_measured"] <= kept["dots_measured"] <= kept["dots"]
     kernels_s = [f["s_per_step"] - f["breakdown_s"]["fresh_memory"] for f in (fresh, kept)]
     assert kernels_s[0] <= kernels_s[1] * (1 + 1e-9)
     assert kept["dots_measured"] > fresh["dots_measured"] or kernels_s[0] == pytest.approx(

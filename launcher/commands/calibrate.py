@@ -107,7 +107,7 @@ def step_dots(run: Run, cal: Calibration) -> str:
                 os.environ[calibration.FILE_VAR] = before
     ks = step_cost.kernels(compiled.as_text(), report.n_devices)
     cal = dots.with_dots(cal, ks, budget_s=math.inf)
-    f = forecast.forecast(ks, forecast.Basis(cal, fresh_temporaries=False),
+    f = forecast.forecast(ks, forecast.Basis(cal, fresh_temporaries=False, local=True),
                           report.temp_bytes + report.output_bytes - report.alias_bytes)
     shapes = {sig for k in ks for sig, _ in k.dots}
     return (f"the step's dots: {len(cal.dot_seconds)} of {len(shapes)} shapes measured "

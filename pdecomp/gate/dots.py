@@ -5,8 +5,8 @@ step's are read cold. The measured seconds go into the calibration the gate fore
 (`Calibration.dot_seconds`, read by `Calibration.dot_time`), cached per device beside its
 calibration (`calibration.dots_cache_path`).
 
-On this 2-core CPU the TMS 5-2 step's 17 dot shapes measured 8-230 GFLOP/s against the
-square products' 110-200 at their FLOPs (bench/RESULTS.md).
+On this 2-core CPU the TMS 5-2 step's thin dots took up to 12x the time square products of
+their FLOPs take, SmolLM2's up to 2.8x (bench/RESULTS.md).
 """
 
 from __future__ import annotations

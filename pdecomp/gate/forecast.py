@@ -116,7 +116,7 @@ def forecast(ks: list[Kernel], basis: Basis, fresh_bytes: int = 0) -> dict[str, 
                            ("matmul", "elementwise", "memory", "fresh_memory", "launch",
                             "collectives")},
            "kernels": sum(k.runs for k in ks), "collectives_overlap": 0.0,
-           **dots_known(ks, cal),
+           **(dots_known(ks, cal) if basis.local else {}),
            "calibration": {"device": cal.device, "source": cal.source},
            "largest_kernels": [{"name": n, "s": s} for s, n in top[:5]]}
     if basis.tokens_per_step:

@@ -154,6 +154,10 @@ def forecast_rows(f: dict[str, Any], batch_size: int | None) -> list[tuple[str, 
             f"{batch_size / s:,.0f} examples/s" if batch_size and s else "")
     b = f["breakdown_s"]
     parts = ", ".join(f"{k.replace('_', ' ')} {v:.3g} s" for k, v in b.items() if v)
+    measured = (f"; {f['dots_measured']} of its {f['dots']} dot shapes measured on it "
+                "(`pdecomp calibrate` with the run's overrides measures all that count)"
+                if "dots" in f else "")
     return [("forecast step", f"{s:.3g} s ({rate}); floor {f['floor_s']:.3g} s"),
             ("  where it goes", f"{parts}; {f['kernels']} kernels, collectives serial"),
-            ("  calibration", f"{f['calibration']['device']}: {f['calibration']['source']}")]
+            ("  calibration",
+             f"{f['calibration']['device']}: {f['calibration']['source']}{measured}")]
