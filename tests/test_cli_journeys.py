@@ -488,6 +488,10 @@ def test_offline_wandb_run_reads_back(full_run) -> None:
     for step in (1, 10, 20, 30, 40):
         assert {"loss/total", "loss/imp_min", "loss/recon_full"} <= set(rows[step]), rows[step]
     assert rows[40]["loss/total"] == pytest.approx(summary["loss/total"])
+    # the gate's forecast beside the measured step, in wandb as in the run's files
+    assert rows[40]["perf/forecast_step_s"] == gate["step"]["forecast"]["s_per_step"]
+    assert s["perf/forecast_over_measured"] == pytest.approx(
+        summary["perf/forecast_over_measured"])
     # logging.wandb.artifacts: the final checkpoint, by reference (its files named, not read)
     (art,) = [r["artifact"] for r in records if r.get("type") == "artifact"]
     assert art["type"] == "checkpoint" and art["name"].startswith("checkpoint-")
