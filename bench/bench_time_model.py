@@ -117,7 +117,7 @@ def cpu_row(name: str, steps: int, overrides: list[str], library: bool,
                                           r["forecast_after"]["s_per_step"]] for r in runs],
             "forecast_error": errors[mid], "errors_by_run": errors,
             "calibration": f["calibration"], "temp_bytes": runs[-1]["temp_bytes"],
-            "minor_faults_per_step": runs[-1]["minor_faults_per_step"],
+            "minor_faults_per_step": runs[mid]["minor_faults_per_step"],
             "faults_by_run": [r["minor_faults_per_step"] for r in runs],
             "overrides": overrides, "commit": _commit()}
 

@@ -30,9 +30,10 @@ from pathlib import Path
 import jax
 
 from launcher import api, host
-from pdecomp.gate import calibration, dots, forecast, microbench, step_cost
+from pdecomp.gate import calibration, forecast, microbench
+from pdecomp.gate.compiled import step_report
 from pdecomp.gate.shapes import load_target
-from pdecomp.gate.step import gate
+from pdecomp.gate.step import Gated, gate
 from pdecomp.run.checkpoint import Checkpointer
 from pdecomp.run.decompose import prepare
 from pdecomp.run.loop import initial_state
@@ -40,12 +41,12 @@ from pdecomp.run.loop import initial_state
 WARMUP = 3
 
 
-def forecast_with(cal: calibration.Calibration, g, ks: list[step_cost.Kernel],
-                  job: bool) -> dict:
-    """The gated step's forecast with calibration `cal`."""
-    r = g.report
-    return forecast.forecast(ks, forecast.Basis(cal, fresh_temporaries=not job, local=True),
-                             r.temp_bytes + r.output_bytes - r.alias_bytes)
+def forecast_with(cal: calibration.Calibration, g: Gated, job: bool) -> dict:
+    """The gated step's forecast with calibration `cal`, every dot of it measured that
+    counts (as a gate's with no limit on its time)."""
+    basis = forecast.Basis(cal, fresh_temporaries=not job, local=True)
+    return step_report(g.compiled.as_text(), 1, 1, None, basis, g.report.fresh_bytes,
+                       dots_budget_s=600.0)["forecast"]
 
 
 def timed(overrides: list[str], steps: int, work: Path, job: bool, calibrate: bool) -> dict:
@@ -54,10 +55,8 @@ def timed(overrides: list[str], steps: int, work: Path, job: bool, calibrate: bo
     run = prepare(api.compose(["logging.wandb.mode=disabled", *overrides]))
     g = gate(run, work, False, lambda _: None, temporaries_reused=job)
     f = g.report.step["forecast"]
-    ks = step_cost.kernels(g.compiled.as_text(), 1)
     if calibrate:  # the gate measured this process's calibration; now every dot of the step
-        f = forecast_with(dots.with_dots(microbench.local(jax.devices()[0].device_kind), ks,
-                                         600.0), g, ks, job)
+        f = forecast_with(microbench.local(jax.devices()[0].device_kind), g, job)
     target, _ = load_target(g.run, g.target_abs, lambda _: None)
     if job:
         host.keep_freed_blocks_on_cpu()
@@ -79,8 +78,7 @@ def timed(overrides: list[str], steps: int, work: Path, job: bool, calibrate: bo
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     if calibrate:  # measured again, dots too: a cache of its own, empty
         os.environ[calibration.DIR_VAR] = str(work / "calibration_after")
-    after = (forecast_with(dots.with_dots(microbench.measure(), ks, 600.0), g, ks, job)
-             if calibrate else f)
+    after = forecast_with(microbench.measure(), g, job) if calibrate else f
     return {"measured_s": statistics.median(seconds), "seconds": seconds,
             "forecast": f, "forecast_after": after,
             "forecast_s": (f["s_per_step"] + after["s_per_step"]) / 2,

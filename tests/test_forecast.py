@@ -190,6 +190,9 @@ def test_calibrate_writes_a_calibration_and_refuses_what_it_would_overwrite(
     assert cal.source.startswith("measured") and cal.matmul["float32"].peak > 0
     (dots_file,) = cache.glob("*-dots.json")
     measured = json.loads(dots_file.read_text())
+    # the measurement is this machine's cached calibration from now on, as `-o` wrote it
+    (cached,) = set(cache.glob("*.json")) - {dots_file}
+    assert calibration.read(cached) == cal
     assert f"the step's dots: {len(measured)} of " in proc.stderr and len(measured) >= 4
 
 
@@ -281,15 +284,18 @@ def test_no_dot_is_measured_without_budget_and_a_small_one_never(local, tmp_path
 def test_a_probe_too_long_for_what_is_left_is_skipped_for_one_that_fits(
         local, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv(calibration.DIR_VAR, str(tmp_path))
-    big_sig = "f32[1024,1024];f32[1024,1024];f32[1024,1024];1;0;;"
+    # the big one is never run (its probe does not fit): large enough to be the longer on
+    # any host, its chain's dots each 2 x 4096^3 FLOPs; the thin one, run 1000 times a
+    # step, well over SMALL_DOT of the step's matmul time
+    big_sig = "f32[4096,4096];f32[4096,4096];f32[4096,4096];1;0;;"
     thin_sig = "f32[4096,160];f32[160,10];f32[4096,10];1;0;;"
-    big_flops, thin_flops = 2 * 1024 ** 3, 2 * 4096 * 160 * 10
+    big_flops, thin_flops = 2 * 4096 ** 3, 2 * 4096 * 160 * 10
     big = step_cost.Kernel("big", 1, big_flops, 0, "float32", 0, 0, 1 << 24,
                            dots=((big_sig, big_flops),))
-    thin = step_cost.Kernel("thin", 10, thin_flops, 0, "float32", 0, 0, 1 << 20,
+    thin = step_cost.Kernel("thin", 1000, thin_flops, 0, "float32", 0, 0, 1 << 20,
                             dots=((thin_sig, thin_flops),))
     cost = {sig: dots.probe_cost_s(sig, f / local.matmul_rate("float32", f))
             for sig, f in ((big_sig, big_flops), (thin_sig, thin_flops))}
-    assert cost[thin_sig] < 0.5 * cost[big_sig]  # the big one's chain of 16 dominates
+    assert cost[thin_sig] < 0.5 * cost[big_sig]
     measured = dots.with_dots(local, [big, thin], budget_s=0.9 * cost[big_sig]).dot_seconds
     assert list(measured) == [thin_sig]

@@ -1,18 +1,17 @@
 """`pdecomp calibrate [-o FILE] [OVERRIDE ...]`: the local device's microbenchmark
 (pdecomp.gate.microbench), the calibration the gate's forecast reads, printed as JSON or
 written to FILE (a card's file for pdecomp/gate/calibrations, or PDECOMP_CALIBRATION's).
-With a run's overrides, the step of that run is compiled too and every one of its dots
-measured on this device (pdecomp.gate.dots), into the cache its gates read: a gate measures
-them for a tenth of its compile time at most, so a new model's forecast is otherwise refined
-over its first gates."""
+The measurement also replaces the local device's cached calibration, which gates read. With
+a run's overrides, the step of that run is compiled too and every one of its dots measured
+on this device (pdecomp.gate.dots), into the cache its gates read: a gate measures them for
+a tenth of its compile time at most, so a new model's forecast is otherwise refined over its
+first gates."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -63,6 +62,11 @@ def main(argv: Sequence[str]) -> int:
     from pdecomp.gate import microbench  # jax starts only for a valid call
 
     cal = microbench.measure()
+    cache = calibration.cache_path(cal.device)
+    try:  # this machine's calibration for its gates from now on (their dots are read at it)
+        calibration.write(cal, cache)
+    except (OSError, storage.WriteFailed):
+        print(f"{PROG}: {cache} not written: gates measure the device again", file=sys.stderr)
     if out is not None:
         calibration.write(cal, out)
         print(f"calibration of {cal.device}: {out}", file=sys.stderr)
@@ -87,30 +91,18 @@ def local_run(cfg: RunConfig) -> Run:
 
 
 def step_dots(run: Run, cal: Calibration) -> str:
-    """Every dot of the run's step measured with `cal` (cached for its gates); the line
-    that says so, with the step's forecast as a `pdecomp` job's gate now makes it."""
+    """Every dot of the run's step that counts measured with `cal` (cached for its gates);
+    the line that says so, with the step's forecast as a `pdecomp` job's gate now makes it."""
     import jax
 
-    from pdecomp.gate import calibration, dots, forecast, step_cost
+    from pdecomp.gate import dots, forecast
+    from pdecomp.gate.compiled import step_report
     from pdecomp.gate.step import prepare
 
-    with tempfile.TemporaryDirectory() as d:
-        given = Path(d) / "calibration.json"  # the compile's forecast reads `cal`, not a cache
-        calibration.write(cal, given)
-        before, os.environ[calibration.FILE_VAR] = os.environ.get(calibration.FILE_VAR), str(given)
-        try:
-            compiled, report = prepare(run, jax.random.PRNGKey(run.config.seed),
-                                       False).compile(run)
-        finally:
-            os.environ.pop(calibration.FILE_VAR)
-            if before is not None:
-                os.environ[calibration.FILE_VAR] = before
-    ks = step_cost.kernels(compiled.as_text(), report.n_devices)
-    cal = dots.with_dots(cal, ks, budget_s=math.inf)
-    f = forecast.forecast(ks, forecast.Basis(cal, fresh_temporaries=False, local=True),
-                          report.temp_bytes + report.output_bytes - report.alias_bytes)
-    shapes = {sig for k in ks for sig, _ in k.dots}
-    return (f"the step's dots: {len(cal.dot_seconds)} of {len(shapes)} shapes measured "
-            f"(the others under {dots.SMALL_DOT:.1%} of its matmul time, or not measurable), cached in "
-            f"{calibration.dots_cache_path(cal.device)}; forecast {f['s_per_step']:.4g} s a "
-            f"step (floor {f['floor_s']:.4g} s)")
+    compiled, report = prepare(run, jax.random.PRNGKey(run.config.seed), False).compile(run)
+    basis = forecast.Basis(cal, fresh_temporaries=False, local=True)
+    f = step_report(compiled.as_text(), report.n_devices, 1, None, basis, report.fresh_bytes,
+                    dots_budget_s=math.inf)["forecast"]
+    return (f"the step's dots: {f['dots_measured']} of {f['dots']} shapes measured (the "
+            f"others under {dots.SMALL_DOT:.1%} of its matmul time, or not measurable); "
+            f"forecast {f['s_per_step']:.4g} s a step (floor {f['floor_s']:.4g} s)")

@@ -28,12 +28,14 @@ from pdecomp.gate.step_cost import Kernel, array_bytes
 SMALL_DOT = 0.005  # a dot's share of a step's matmul time below which it is not measured
 PROBE_FIXED_S = 0.2  # a probe's compile and operands on 2 CPU cores: 0.12-0.29 s measured
 GATE_SHARE = 0.1  # of its compile time, what a gate spends measuring the step's dots
+PROBE_RUNS, PROBE_BUDGET_S = 3, 0.05  # a probe's timed runs at least, and more within
 
 
 def probe_cost_s(signature: str, dot_s: float) -> float:
-    """About what measuring a dot takes (dot_seconds: a warm-up run and at least three of a
-    chain of `_chain_length` dots, each `dot_s` long, and a compile)."""
-    return PROBE_FIXED_S + 4 * _chain_length(signature)[1] * dot_s + 0.05
+    """About what measuring a dot takes (dot_seconds: a compile, a warm-up run and
+    PROBE_RUNS of a chain of `_chain_length` dots, each `dot_s` long, or PROBE_BUDGET_S)."""
+    chain_s = _chain_length(signature)[1] * dot_s
+    return PROBE_FIXED_S + chain_s + max(PROBE_RUNS * chain_s, PROBE_BUDGET_S)
 
 
 def _chain_length(signature: str) -> tuple[int, int]:
@@ -81,7 +83,8 @@ def dot_seconds(signature: str, cal: Calibration) -> float:
             s = lax.dot_general(*pair, dims).reshape(-1)[0].astype(jnp.float32) * 1e-30
         return s
 
-    t, ks, temp = microbench.timed(run, (xs, ys), budget_s=0.05, least=3)
+    t, ks, temp = microbench.timed(run, (xs, ys), budget_s=PROBE_BUDGET_S,
+                                   least=PROBE_RUNS)
     if sum(k.runs for k in ks if k.flops) != n:
         raise ValueError(f"the probe of {signature} compiled to other kernels")
     other = sum(k.runs * sum(forecast.kernel_seconds(k, cal).values())

@@ -59,6 +59,12 @@ class GateReport:
     predicted_over_measured: float | None = None
     measured_peak_by_phase_bytes: dict[str, int] = field(default_factory=dict)
 
+    @property
+    def fresh_bytes(self) -> int:
+        """What a run of the step allocates anew: its temporaries and the outputs not
+        aliased to its inputs (first touched each run on a CPU, pdecomp.gate.forecast)."""
+        return self.temp_bytes + self.output_bytes - self.alias_bytes
+
     def to_json(self) -> dict[str, Any]:
         """gate.json's object: every required field, the optional parts that were made,
         `compiled` only when False."""
