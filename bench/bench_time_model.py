@@ -11,9 +11,11 @@ from microbenchmarks only, never fitted to these jobs; rows go into bench/result
   in a `pdecomp` job's process, which reuses a step's temporaries, and in a library
   caller's, `_library`, which maps them anew each step)
   beside the forecast the same gate made with this CPU's calibration, measured in that
-  process just before (pdecomp.gate.microbench; the step's dots by pdecomp.gate.dots): this
-  host's speed drifts by up to 2x over minutes, so a calibration cached from another spell
-  would compare two spells, not a forecast with its step.
+  process before the steps and again after each of three blocks of them
+  (pdecomp.gate.microbench; the step's dots by pdecomp.gate.dots), each block against the
+  mean of the two either side: this host's speed drifts by up to 2x over minutes, so a
+  calibration cached from another spell would compare two spells, not a forecast with its
+  step.
 
     .venv/bin/python bench/bench_time_model.py                  # every GPU job
     .venv/bin/python bench/bench_time_model.py --cpu --job none # the CPU rows only
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -56,10 +59,10 @@ L18_ALL7 = ["+experiment=llama8b_l18-26_chunkwise", "layers=l18",
 L18_ALL7_MEASURED = "llama8b_shapes_20_layers_layer18_all_7_matrices_C4096_32x512_bf16"
 
 
-# The CPU rows: name -> (steps timed, overrides)
+# The CPU rows: name -> (steps timed, overrides); a third of them about a calibration's time
 CPU_JOBS = {
-    "tms_5-2": (60, []),
-    "smollm2_l28": (8, ["+experiment=smollm2_l28", "data.source=synthetic",
+    "tms_5-2": (3000, []),
+    "smollm2_l28": (18, ["+experiment=smollm2_l28", "data.source=synthetic",
                         "loss.eval_pgd.n_steps=0", "data.eval_batches=0",
                         "optim.faith_warmup_steps=0"]),
 }
@@ -110,16 +113,26 @@ def cpu_row(name: str, steps: int, overrides: list[str], library: bool,
     mid = sorted(range(repeats), key=errors.__getitem__)[repeats // 2]  # the median run
     f, measured = runs[mid]["forecast"], runs[mid]["measured_s"]
     return {"job": name, "card": "cpu", "cpu": _cpu(), "measured_s": measured,
-            "runs_s": [r["measured_s"] for r in runs], "seconds": [r["seconds"] for r in runs],
+            "runs_s": [r["measured_s"] for r in runs], "seconds": [_spread(r["seconds"]) for r in runs],
             "forecast": f, "forecast_s": runs[mid]["forecast_s"], "floor_s": f["floor_s"],
             "forecasts_s": [r["forecast_s"] for r in runs],
-            "forecasts_before_after_s": [[r["forecast"]["s_per_step"],
-                                          r["forecast_after"]["s_per_step"]] for r in runs],
+            "calibrations_s": [r["forecasts_s"] for r in runs],
+            "blocks_s": [r["blocks_s"] for r in runs],
+            "block_errors": [r["block_errors"] for r in runs],
             "forecast_error": errors[mid], "errors_by_run": errors,
             "calibration": f["calibration"], "temp_bytes": runs[-1]["temp_bytes"],
             "minor_faults_per_step": runs[mid]["minor_faults_per_step"],
             "faults_by_run": [r["minor_faults_per_step"] for r in runs],
             "overrides": overrides, "commit": _commit()}
+
+
+def _spread(seconds: list[float]) -> list[float] | dict[str, float]:
+    """A run's step seconds: each, or for many steps their quantiles."""
+    if len(seconds) <= 100:
+        return seconds
+    q = statistics.quantiles(seconds, n=10)
+    return {"min": min(seconds), "p10": q[0], "p50": statistics.median(seconds), "p90": q[-1],
+            "max": max(seconds), "steps": len(seconds)}
 
 
 def _cpu() -> str:

@@ -8,12 +8,14 @@ programs run inline, freed blocks kept, so a CPU step reuses its temporaries) an
 told so. `--library`: a library caller's process, left as it is (each CPU step maps its
 temporaries anew). `--calibrate`: this process measures its calibration (no cache), its gate
 makes the forecast from it, with every dot of the step measured (a gate measures them for a
-second at most; later gates the rest), and measures it again, dots included, once the steps
-are timed: the step is compared with the mean of the two forecasts, so calibration and step
-share one spell of a host whose speed drifts by up to 2x over minutes.
+second at most; later gates the rest), and the steps are timed in BLOCKS blocks, the
+calibration measured again, dots included, after each: each block is compared with the mean
+of the forecasts either side of it, so calibration and step share one spell of a host whose
+speed drifts by up to 2x over minutes.
 
+Give a block about a calibration's time (10-25 s), so both see the same spell of the host.
 Prints one JSON line: the median and every step's seconds (three warm-up steps first, on
-batches drawn before timing), the gate's forecast and floor, minor page faults a step.
+DRAWN batches drawn before timing, taken in turn), the gate's forecast and floor, minor page faults a step.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from pdecomp.run.decompose import prepare
 from pdecomp.run.loop import initial_state
 
 WARMUP = 3
+BLOCKS = 3  # with --calibrate: blocks of steps, the calibration measured after each
+DRAWN = 32  # batches drawn before timing, taken in turn
 
 
 def forecast_with(cal: calibration.Calibration, g: Gated, job: bool) -> dict:
@@ -63,28 +67,50 @@ def timed(overrides: list[str], steps: int, work: Path, job: bool, calibrate: bo
     state, _ = initial_state(g, target, Checkpointer(work / "ck", writer=True), lambda _: None)
     c = g.run.config
     sample = g.run.kind.batch_sampler(c.model, c.data, c.seed, g.batch_sharding, g.data_key)
-    batches = [sample(i) for i in range(WARMUP + steps)]
-    jax.block_until_ready(batches)
-    for b in batches[:WARMUP]:
-        state, m = g.compiled(state, target, b)
-        jax.block_until_ready((state, m))
-    seconds = []
+    drawn = [sample(i) for i in range(WARMUP + min(steps, DRAWN))]
+    jax.block_until_ready(drawn)
+    state, _ = _steps(g, state, target, drawn[:WARMUP])
+    batches = [drawn[WARMUP + i % DRAWN] for i in range(steps)]
+    seconds, forecasts, blocks = [], [f], []
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for b in batches[WARMUP:]:
-        t = time.perf_counter()
-        state, m = g.compiled(state, target, b)
-        jax.block_until_ready((state, m))
-        seconds.append(time.perf_counter() - t)
+    for i, block in enumerate(_blocks(batches[WARMUP:], BLOCKS if calibrate else 1)):
+        state, times = _steps(g, state, target, block)
+        seconds += times
+        blocks.append(statistics.median(times))
+        if calibrate:  # measured again, dots too: a cache of its own, empty
+            faults -= resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            os.environ[calibration.DIR_VAR] = str(work / f"calibration_{i + 1}")
+            forecasts.append(forecast_with(microbench.measure(), g, job))
+            faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-    if calibrate:  # measured again, dots too: a cache of its own, empty
-        os.environ[calibration.DIR_VAR] = str(work / "calibration_after")
-    after = forecast_with(microbench.measure(), g, job) if calibrate else f
+    beside = [(forecasts[i]["s_per_step"] + forecasts[i + 1]["s_per_step"]) / 2
+              if calibrate else f["s_per_step"] for i in range(len(blocks))]
     return {"measured_s": statistics.median(seconds), "seconds": seconds,
-            "forecast": f, "forecast_after": after,
-            "forecast_s": (f["s_per_step"] + after["s_per_step"]) / 2,
+            "forecast": f, "forecasts_s": [x["s_per_step"] for x in forecasts],
+            "blocks_s": blocks, "block_errors": [b / m - 1 for b, m in zip(beside, blocks)],
+            "forecast_s": statistics.fmean(beside),
             "floor_s": f["floor_s"], "calibrated_here": calibrate,
             "peak_bytes": g.report.peak_bytes, "temp_bytes": g.report.temp_bytes,
             "minor_faults_per_step": faults / steps, "overrides": overrides, "job": job}
+
+
+def _blocks(batches: list, n: int) -> list[list]:
+    """`batches` in n blocks as even as they go (none empty)."""
+    n = max(1, min(n, len(batches)))
+    size, extra = divmod(len(batches), n)
+    cuts = [i * size + min(i, extra) for i in range(n + 1)]
+    return [batches[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+def _steps(g: Gated, state, target, batches: list) -> tuple[object, list[float]]:
+    """The compiled step over `batches`, each step's seconds."""
+    times = []
+    for b in batches:
+        t = time.perf_counter()
+        state, m = g.compiled(state, target, b)
+        jax.block_until_ready((state, m))
+        times.append(time.perf_counter() - t)
+    return state, times
 
 
 def main() -> None:
