@@ -20,6 +20,7 @@ DRAWN batches drawn before timing, taken in turn), the gate's forecast and floor
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import resource
@@ -99,7 +100,7 @@ def _blocks(batches: list, n: int) -> list[list]:
     n = max(1, min(n, len(batches)))
     size, extra = divmod(len(batches), n)
     cuts = [i * size + min(i, extra) for i in range(n + 1)]
-    return [batches[a:b] for a, b in zip(cuts, cuts[1:])]
+    return [batches[a:b] for a, b in itertools.pairwise(cuts)]
 
 
 def _steps(g: Gated, state, target, batches: list) -> tuple[object, list[float]]:
