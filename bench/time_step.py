@@ -54,7 +54,10 @@ def forecast_with(cal: calibration.Calibration, g: Gated, job: bool) -> dict:
                        dots_budget_s=600.0)["forecast"]
 
 
-def timed(overrides: list[str], steps: int, work: Path, job: bool, calibrate: bool) -> dict:
+def ready(overrides: list[str], steps: int, work: Path, job: bool, calibrate: bool
+          ) -> tuple[Gated, dict, object, object, list]:
+    """The run gated (its forecast, every dot measured where `calibrate`), its state and
+    target, warmed up, and its steps' batches, drawn."""
     if job:
         host.run_programs_inline()  # before JAX starts its backend, as launcher/job.py
     run = prepare(api.compose(["logging.wandb.mode=disabled", *overrides]))
@@ -71,10 +74,15 @@ def timed(overrides: list[str], steps: int, work: Path, job: bool, calibrate: bo
     drawn = [sample(i) for i in range(WARMUP + min(steps, DRAWN))]
     jax.block_until_ready(drawn)
     state, _ = _steps(g, state, target, drawn[:WARMUP])
-    batches = [drawn[WARMUP + i % DRAWN] for i in range(steps)]
+    n = len(drawn) - WARMUP
+    return g, f, state, target, [drawn[WARMUP + i % n] for i in range(steps)]
+
+
+def timed(overrides: list[str], steps: int, work: Path, job: bool, calibrate: bool) -> dict:
+    g, f, state, target, batches = ready(overrides, steps, work, job, calibrate)
     seconds, forecasts, blocks = [], [f], []
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for i, block in enumerate(_blocks(batches[WARMUP:], BLOCKS if calibrate else 1)):
+    for i, block in enumerate(_blocks(batches, BLOCKS if calibrate else 1)):
         state, times = _steps(g, state, target, block)
         seconds += times
         blocks.append(statistics.median(times))
