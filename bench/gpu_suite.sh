@@ -9,6 +9,9 @@
 #   bench/gpu_suite.sh all OUT       both
 #   bench/gpu_suite.sh flags OUT     the peers' GPU flags, each alone against XLA's defaults
 #                                    (bench/gpu_flags.py; FLAGS_BUDGET_S, default 240)
+#   bench/gpu_suite.sh kernels OUT   each kernel's forecast beside its time in the step, for
+#                                    the SmolLM2 speed steps the forecast misses most
+#                                    (bench/kernel_times.py, from a profile)
 #   bench/gpu_suite.sh stash         only keep what this transfer brought (below)
 #
 # Its inputs, under .gpu/ in the checkout at any depth: spd.tar.xz (the reference at
@@ -24,7 +27,7 @@
 # `speed` 300 s (four rows of about 30 s for pdecomp and 30 s for the reference), `quality`
 # 319 s at CURVE_BATCHES=2 (the model's conversion, a 55 s compile, 100 s of steps).
 set -euo pipefail
-phase=${1:?speed, quality, all, flags or stash}
+phase=${1:?speed, quality, all, flags, kernels or stash}
 root=$(cd "$(dirname "$0")/.." && pwd)
 state=${GPU_SUITE_STATE:-/tmp/pdecomp-gpu-suite}
 py=${PYTHON:-python3}
@@ -69,6 +72,12 @@ fi
 if [ "$phase" = flags ]; then
   "$py" "$root/bench/gpu_flags.py" --out "$out" --budget-s "${FLAGS_BUDGET_S:-240}" \
     ${REDUCED:+--reduced}
+fi
+if [ "$phase" = kernels ]; then
+  for job in smollm2_l28_mlp_ci_8x128_bfloat16 smollm2_l28_mlp_ci_64x128_float32 \
+      quality_12_sites; do
+    "$py" "$root/bench/kernel_times.py" --job "$job" 20 > "$out/kernels_$job.json" || true
+  done
 fi
 if [ "$phase" = quality ] || [ "$phase" = all ]; then
   if [ ! -d "$state/smollm2" ]; then

@@ -53,3 +53,22 @@ def test_quality_phase_reports_as_vpd_does(tmp_path, env):
         assert f"| {kind} |" in table
     assert "KL / zero-ablation KL" in table and "live components" in table
     assert (out / "quality_history.png").stat().st_size > 0
+
+
+def test_kernel_times_puts_each_kernel_beside_its_forecast(tmp_path, env):
+    """bench/kernel_times.py (the suite's `kernels` phase) on the TMS step, on this CPU: the
+    profile's events are found by the kernels' names, and the dots and the rest are summed
+    apart, each kernel's forecast beside its measured seconds."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_times.py"), "--top",
+                           "5", "--job", "tms_5-2", "3"], capture_output=True, text=True,
+                          env={**env, "JAX_PLATFORMS": "cpu"}, check=False, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(out["seconds"]) == 3 and out["kernels_seen"] > out["kernels"] // 2
+    assert out["dots_measured_s"] > 0 and out["other_measured_s"] > 0
+    assert 0 < out["busy_s"] <= out["dots_measured_s"] + out["other_measured_s"] + 1e-9
+    assert out["busy_s"] <= max(out["seconds"])  # the kernels ran within the steps
+    assert len(out["top"]) == 5 and all(r["forecast_s"] > 0 for r in out["top"])
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_times.py"), "--job",
+                          "nope", "3"], capture_output=True, text=True, env=env, check=False)
+    assert bad.returncode == 2 and "--job: one of" in bad.stderr
