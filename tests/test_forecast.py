@@ -68,6 +68,22 @@ def test_a_loops_kernels_count_its_trip_count() -> None:
     assert sum(k.runs * k.flops for k in ks) == 5 * 2 * M * K * K
 
 
+def test_a_fusion_that_slices_counts_only_the_window_it_computes() -> None:
+    """XLA copies a cheap expression into each of twenty fusions that slice it (as TMS
+    40-10's backward splits its [4096, 200] values by component group), and each computes
+    its window only: the ops counted are the expression's once over, not twenty times."""
+
+    def split(x, w, s):
+        y = x * s + 1.0 - x * x * s + jnp.where(x > s, x, -x)
+        return [(p * p + s) @ w for p in jnp.split(y, 20, axis=1)]
+
+    text = compiled_text(split, jnp.ones((4096, 200)), jnp.ones((10, 8)), 1.5)
+    sliced = [k for k in step_cost.kernels(text, 1) if k.ops and not k.flops]
+    assert len(sliced) == 20 and len({k.ops for k in sliced}) == 1
+    per_element = sum(k.ops for k in sliced) / (4096 * 200)
+    assert 8 <= per_element <= 14  # eleven ops an element, each counted once
+
+
 def test_a_curve_is_log_linear_between_its_points_and_flat_beyond_them() -> None:
     c = Curve(((1e3, 1e9), (1e5, 1e11)))
     assert c(1e4) == pytest.approx(1e10)  # halfway in log size: halfway in log rate

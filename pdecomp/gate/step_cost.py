@@ -341,12 +341,42 @@ def dot_signature(ins: Instruction, shapes: dict[str, str]) -> str:
                        for side in ("lhs", "rhs"))])
 
 
+# Body ops that read every element of their operands whatever they are asked for.
+_WHOLE = {"dot", "custom-call", "fusion", "scatter", "sort"}
+
+
+def demanded(body: list[Instruction], shapes: dict[str, str]) -> dict[str, float]:
+    """Of each instruction of a fusion's body, the share of its elements the fusion computes:
+    a loop fusion computes each element of its result from just the elements of its
+    operands that one needs (XLA's elemental emitter), so ops before a slice run on the
+    slice's window only (TMS 40-10's backward splits one
+    [4096, 200] expression into twenty fusions of [4096, 10], each computing a twentieth).
+    A reduce needs its operand's whole rows, a dot or a custom call all of them; what two
+    users ask of one value is summed, to its size at most (two windows may not overlap)."""
+    size = {i.name: max(element_count(i.shape), 1) for i in body}
+    need: dict[str, float] = defaultdict(float)
+    root = next((i for i in body if i.root), body[-1] if body else None)
+    for ins in reversed(body):  # users after what they read: each is asked before it asks
+        if ins is root or ins.op in _WHOLE:
+            need[ins.name] = size[ins.name]
+        own = min(need.get(ins.name, 0.0), size[ins.name])
+        for name in (o.split("#")[0] for o in ins.operands if o.split("#")[0] in size):
+            n = (size[name] if ins.op in _WHOLE else
+                 own * size[name] / size[ins.name] if ins.op in ("reduce", "reduce-window")
+                 else own)  # elementwise, a slice's window, a broadcast's source at most
+            need[name] = min(need[name] + n, size[name])
+    return {n: min(need.get(n, 0.0), size[n]) / size[n] for n in size}
+
+
 def _compute(body: list[Instruction], computations: dict[str, list[Instruction]],
-             shapes: dict[str, str], work: _Work) -> _Work:
+             shapes: dict[str, str], work: _Work, share: float = 1.0) -> _Work:
     """Adds what a kernel's instructions compute, a fusion nested in them included, to
     `work`: matmul FLOPs (their float32 part, their operands' dtype, each dot's signature),
-    cheap ops, transcendentals by op."""
+    cheap ops, transcendentals by op; each op at the share of its elements the kernel
+    computes (`demanded`, in a fusion's body; `share` of them in a nested one)."""
+    parts = demanded(body, shapes) if len(body) > 1 else {}
     for i in body:
+        part = share * parts.get(i.name, 1.0)
         if f := dot_flops(i, shapes):
             t = shape_of(i.operands[0], shapes).split("[")[0]
             work.flops, work.dtype = work.flops + f, _DTYPES.get(t, t)
@@ -354,13 +384,14 @@ def _compute(body: list[Instruction], computations: dict[str, list[Instruction]]
             if i.op == "dot" and len(i.operands) == 2:
                 work.dots.append((dot_signature(i, shapes), f))
         elif i.op == "fusion" and (called := re.search(r"calls=%([\w.\-]+)", i.attrs)):
-            _compute(computations.get(called.group(1), []), computations, shapes, work)
+            _compute(computations.get(called.group(1), []), computations, shapes, work, part)
         elif i.op in ("reduce", "reduce-window"):
-            work.ops += element_count(shape_of(i.operands[0], shapes)) if i.operands else 0
+            work.ops += round(part * element_count(shape_of(i.operands[0], shapes))
+                              if i.operands else 0)
         elif i.op in TRANSCENDENTAL:
-            work.transcendentals[i.op] += element_count(i.shape)
+            work.transcendentals[i.op] += round(part * element_count(i.shape))
         elif i.op not in NO_OPS:
-            work.ops += element_count(i.shape)
+            work.ops += round(part * element_count(i.shape))
     return work
 
 
