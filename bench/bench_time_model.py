@@ -61,20 +61,20 @@ L18_ALL7 = ["+experiment=llama8b_l18-26_chunkwise", "layers=l18",
 L18_ALL7_MEASURED = "llama8b_shapes_20_layers_layer18_all_7_matrices_C4096_32x512_bf16"
 
 
-# The CPU rows: name -> (steps timed, overrides, a library caller's process timed too); a
-# third of the steps about a calibration's time. The first two are the acceptance jobs; the
-# rest were chosen after the model was built and never examined while building it (other
+# The CPU rows: name -> (steps timed, overrides); a third of the steps about a calibration's
+# time. The first two are the acceptance jobs, timed in a library caller's process too; those
+# HELD_OUT were chosen after the model was built and never examined while building it (other
 # models, another method: the class of step a user brings, not the two it was built on).
 CPU_JOBS = {
-    "tms_5-2": (3000, [], True),
+    "tms_5-2": (3000, []),
     "smollm2_l28": (18, ["+experiment=smollm2_l28", "data.source=synthetic",
                         "loss.eval_pgd.n_steps=0", "data.eval_batches=0",
-                        "optim.faith_warmup_steps=0"], True),
-    "tms_40-10": (360, ["+experiment=tms_40-10"], False),
-    "resid_mlp1": (450, ["+experiment=resid_mlp1"], False),
+                        "optim.faith_warmup_steps=0"]),
+    "tms_40-10": (360, ["+experiment=tms_40-10"]),
+    "resid_mlp1": (450, ["+experiment=resid_mlp1"]),
     "llama_tiny_chunkwise": (108, ["+experiment=llama_tiny_chunkwise",
-                                          "loss.eval_pgd.n_steps=0", "data.eval_batches=0",
-                                          "optim.faith_warmup_steps=0"], False),
+                                   "loss.eval_pgd.n_steps=0", "data.eval_batches=0",
+                                   "optim.faith_warmup_steps=0"]),
 }
 HELD_OUT = ("tms_40-10", "resid_mlp1", "llama_tiny_chunkwise")
 
@@ -178,10 +178,10 @@ def main() -> None:
     measured = {j["job"]: j for j in json.loads(RESULTS.read_text())["gpu"]["jobs"]}
     rows = {r["job"]: r for r in json.loads(RESULTS.read_text()).get(
         "time_model", {}).get("rows", [])}
-    for name, (steps, overrides, library_too) in CPU_JOBS.items() if args.cpu else ():
+    for name, (steps, overrides) in CPU_JOBS.items() if args.cpu else ():
         if args.cpu_job and name not in args.cpu_job:
             continue
-        for library in (False, True) if library_too else (False,):
+        for library in (False,) if name in HELD_OUT else (False, True):
             key = f"cpu_{name}{'_library' * library}"
             rows[key] = {**cpu_row(key, steps, overrides, library),
                          "held_out": name in HELD_OUT}

@@ -359,13 +359,13 @@ def demanded(body: list[Instruction], shapes: dict[str, str]) -> dict[str, float
     for ins in reversed(body):  # users after what they read: each is asked before it asks
         if ins is root or ins.op in _WHOLE:
             need[ins.name] = size[ins.name]
-        own = min(need.get(ins.name, 0.0), size[ins.name])
+        own = need.get(ins.name, 0.0)
         for name in (o.split("#")[0] for o in ins.operands if o.split("#")[0] in size):
             n = (size[name] if ins.op in _WHOLE else
                  own * size[name] / size[ins.name] if ins.op in ("reduce", "reduce-window")
                  else own)  # elementwise, a slice's window, a broadcast's source at most
             need[name] = min(need[name] + n, size[name])
-    return {n: min(need.get(n, 0.0), size[n]) / size[n] for n in size}
+    return {n: need.get(n, 0.0) / size[n] for n in size}
 
 
 def _compute(body: list[Instruction], computations: dict[str, list[Instruction]],
@@ -374,7 +374,7 @@ def _compute(body: list[Instruction], computations: dict[str, list[Instruction]]
     `work`: matmul FLOPs (their float32 part, their operands' dtype, each dot's signature),
     cheap ops, transcendentals by op; each op at the share of its elements the kernel
     computes (`demanded`, in a fusion's body; `share` of them in a nested one)."""
-    parts = demanded(body, shapes) if len(body) > 1 else {}
+    parts = demanded(body, shapes)
     for i in body:
         part = share * parts.get(i.name, 1.0)
         if f := dot_flops(i, shapes):
