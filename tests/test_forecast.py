@@ -84,6 +84,24 @@ def test_a_fusion_that_slices_counts_only_the_window_it_computes() -> None:
     assert 8 <= per_element <= 14  # eleven ops an element, each counted once
 
 
+def test_a_value_read_by_several_ops_is_computed_once_on_the_window() -> None:
+    """Each round of the expression reads its value twice (as threefry's rounds do, which
+    TMS 40-10's backward slices): both reads ask for the same window, which is computed
+    once, so a fusion that slices a twentieth counts a twentieth, not 2^rounds of it."""
+
+    def split(x, w, s):
+        y = x
+        for _ in range(8):
+            y = y * s + y * y
+        return [(p * p + s) @ w for p in jnp.split(y, 20, axis=1)]
+
+    text = compiled_text(split, jnp.ones((4096, 200)), jnp.ones((10, 8)), 1.5)
+    sliced = [k for k in step_cost.kernels(text, 1) if k.ops and not k.flops]
+    assert len(sliced) == 20
+    per_element = sum(k.ops for k in sliced) / (4096 * 200)
+    assert 22 <= per_element <= 30  # three ops a round, eight rounds, and the square
+
+
 def test_a_curve_is_log_linear_between_its_points_and_flat_beyond_them() -> None:
     c = Curve(((1e3, 1e9), (1e5, 1e11)))
     assert c(1e4) == pytest.approx(1e10)  # halfway in log size: halfway in log rate

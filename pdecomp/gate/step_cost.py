@@ -351,21 +351,29 @@ def demanded(body: list[Instruction], shapes: dict[str, str]) -> dict[str, float
     operands that one needs (XLA's elemental emitter), so ops before a slice run on the
     slice's window only (TMS 40-10's backward splits one
     [4096, 200] expression into twenty fusions of [4096, 10], each computing a twentieth).
-    A reduce needs its operand's whole rows, a dot or a custom call all of them; what two
-    users ask of one value is summed, to its size at most (two windows may not overlap)."""
+    A reduce needs its operand's whole rows, a dot or a custom call all of them. Users that
+    read a value element for element ask it for the same elements, the most any of them
+    asks (a value read by three ops, each on one window, is computed once on it: threefry's
+    rounds reread each value); slices ask for windows of their own, added up, to its size
+    at most (two windows may not overlap)."""
     size = {i.name: max(element_count(i.shape), 1) for i in body}
-    need: dict[str, float] = defaultdict(float)
+    same: dict[str, float] = defaultdict(float)  # the most any element-for-element user asks
+    windows: dict[str, float] = defaultdict(float)  # what slicing users ask, summed
     root = next((i for i in body if i.root), body[-1] if body else None)
     for ins in reversed(body):  # users after what they read: each is asked before it asks
-        if ins is root or ins.op in _WHOLE:
-            need[ins.name] = size[ins.name]
-        own = need.get(ins.name, 0.0)
+        own = (size[ins.name] if ins is root or ins.op in _WHOLE else
+               min(max(same[ins.name], windows[ins.name]), size[ins.name]))
+        same[ins.name] = own
         for name in (o.split("#")[0] for o in ins.operands if o.split("#")[0] in size):
-            n = (size[name] if ins.op in _WHOLE else
-                 own * size[name] / size[ins.name] if ins.op in ("reduce", "reduce-window")
-                 else own)  # elementwise, a slice's window, a broadcast's source at most
-            need[name] = min(need[name] + n, size[name])
-    return {n: need.get(n, 0.0) / size[n] for n in size}
+            if ins.op in _WHOLE:
+                same[name] = size[name]
+            elif ins.op in ("reduce", "reduce-window"):
+                same[name] = max(same[name], own * size[name] / size[ins.name])
+            elif ins.op in SLICING:
+                windows[name] += own
+            else:  # elementwise, or a broadcast's source: its elements at most
+                same[name] = max(same[name], min(own, size[name]))
+    return {n: min(same[n], size[n]) / size[n] for n in size}
 
 
 def _compute(body: list[Instruction], computations: dict[str, list[Instruction]],
