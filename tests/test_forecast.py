@@ -68,19 +68,25 @@ def test_a_loops_kernels_count_its_trip_count() -> None:
     assert sum(k.runs * k.flops for k in ks) == 5 * 2 * M * K * K
 
 
-def test_a_fusion_that_slices_counts_only_the_window_it_computes() -> None:
-    """XLA copies a cheap expression into each of twenty fusions that slice it (as TMS
-    40-10's backward splits its [4096, 200] values by component group), and each computes
-    its window only: the ops counted are the expression's once over, not twenty times."""
+def sliced_ops_per_element(expression) -> float:
+    """Cheap ops an element of a [4096, 200] value `expression(x, s)` that twenty fusions
+    slice, each into a [4096, 10] window, summed over the twenty."""
 
     def split(x, w, s):
-        y = x * s + 1.0 - x * x * s + jnp.where(x > s, x, -x)
-        return [(p * p + s) @ w for p in jnp.split(y, 20, axis=1)]
+        return [(p * p + s) @ w for p in jnp.split(expression(x, s), 20, axis=1)]
 
     text = compiled_text(split, jnp.ones((4096, 200)), jnp.ones((10, 8)), 1.5)
     sliced = [k for k in step_cost.kernels(text, 1) if k.ops and not k.flops]
     assert len(sliced) == 20 and len({k.ops for k in sliced}) == 1
-    per_element = sum(k.ops for k in sliced) / (4096 * 200)
+    return sum(k.ops for k in sliced) / (4096 * 200)
+
+
+def test_a_fusion_that_slices_counts_only_the_window_it_computes() -> None:
+    """XLA copies a cheap expression into each of twenty fusions that slice it (as TMS
+    40-10's backward splits its [4096, 200] values by component group), and each computes
+    its window only: the ops counted are the expression's once over, not twenty times."""
+    per_element = sliced_ops_per_element(
+        lambda x, s: x * s + 1.0 - x * x * s + jnp.where(x > s, x, -x))
     assert 8 <= per_element <= 14  # eleven ops an element, each counted once
 
 
@@ -89,17 +95,12 @@ def test_a_value_read_by_several_ops_is_computed_once_on_the_window() -> None:
     TMS 40-10's backward slices): both reads ask for the same window, which is computed
     once, so a fusion that slices a twentieth counts a twentieth, not 2^rounds of it."""
 
-    def split(x, w, s):
-        y = x
+    def rounds(x, s):
         for _ in range(8):
-            y = y * s + y * y
-        return [(p * p + s) @ w for p in jnp.split(y, 20, axis=1)]
+            x = x * s + x * x
+        return x
 
-    text = compiled_text(split, jnp.ones((4096, 200)), jnp.ones((10, 8)), 1.5)
-    sliced = [k for k in step_cost.kernels(text, 1) if k.ops and not k.flops]
-    assert len(sliced) == 20
-    per_element = sum(k.ops for k in sliced) / (4096 * 200)
-    assert 22 <= per_element <= 30  # three ops a round, eight rounds, and the square
+    assert 22 <= sliced_ops_per_element(rounds) <= 30  # three ops a round, and the square
 
 
 def test_a_curve_is_log_linear_between_its_points_and_flat_beyond_them() -> None:

@@ -371,9 +371,9 @@ def demanded(body: list[Instruction], shapes: dict[str, str]) -> dict[str, float
                 same[name] = max(same[name], own * size[name] / size[ins.name])
             elif ins.op in SLICING:
                 windows[name] += own
-            else:  # elementwise, or a broadcast's source: its elements at most
-                same[name] = max(same[name], min(own, size[name]))
-    return {n: min(same[n], size[n]) / size[n] for n in size}
+            else:  # elementwise, or a broadcast's source (capped when it asks in turn)
+                same[name] = max(same[name], own)
+    return {n: same[n] / size[n] for n in size}
 
 
 def _compute(body: list[Instruction], computations: dict[str, list[Instruction]],
