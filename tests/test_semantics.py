@@ -258,6 +258,16 @@ def test_p_anneals_linearly_inside_its_window():
     np.testing.assert_allclose(p, [2.0, 2.0, 1.2, 0.4, 0.4], rtol=1e-6)
 
 
+def test_a_flat_p_is_a_constant_the_compiler_folds_into_the_power():
+    def penalty(ci, step):
+        return losses.PENALTIES["lp"](ci, losses.p_at(step, 100, 2.0, 2.0, 0.0, 1.0), 0.0)
+
+    ci = jnp.linspace(0.0, 1.0, 8)
+    np.testing.assert_allclose(jax.jit(penalty)(ci, 7), ci**2, rtol=1e-6)
+    hlo = jax.jit(penalty).lower(ci, 7).compile().as_text()
+    assert " power(" not in hlo  # a runtime exponent of 2 + 0 * t is a power kernel's cost
+
+
 def test_imp_min_matches_its_definition():
     ci = jax.random.uniform(jax.random.PRNGKey(0), (3, 4, 5))
     p, eps, beta = 0.7, 1e-6, 0.2

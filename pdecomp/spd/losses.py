@@ -22,6 +22,8 @@ def per(count: int) -> float:
 def p_at(step: Array | int, total_steps: int, p_start: float, p_end: float,
          start_frac: float, end_frac: float) -> Array:
     """The imp-min exponent: p_start until start_frac of training, linear to p_end at end_frac."""
+    if p_start == p_end:  # a constant, which XLA folds into the power (x^1 is x, x^2 is x*x)
+        return jnp.float32(p_start)
     frac = jnp.asarray(step, jnp.float32) / max(total_steps, 1)
     width = max(end_frac - start_frac, 1e-12)
     t = jnp.clip((frac - start_frac) / width, 0.0, 1.0)
