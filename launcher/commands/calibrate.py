@@ -91,11 +91,11 @@ def local_run(cfg: RunConfig) -> Run:
 
 
 def step_dots(run: Run, cal: Calibration) -> str:
-    """Every dot of the run's step that counts measured with `cal` (cached for its gates);
+    """Every dot of the run's step measured with `cal` (cached for its gates);
     the line that says so, with the step's forecast as a `pdecomp` job's gate now makes it."""
     import jax
 
-    from pdecomp.gate import dots, forecast
+    from pdecomp.gate import forecast
     from pdecomp.gate.compiled import step_report
     from pdecomp.gate.step import prepare
 
@@ -104,5 +104,4 @@ def step_dots(run: Run, cal: Calibration) -> str:
     f = step_report(compiled.as_text(), report.n_devices, 1, None, basis, report.fresh_bytes,
                     dots_budget_s=math.inf)["forecast"]
     return (f"the step's dots: {f['dots_measured']} of {f['dots']} shapes measured (the "
-            f"others under {dots.SMALL_DOT:.1%} of its matmul time, or not measurable); "
-            f"forecast {f['s_per_step']:.4g} s a step (floor {f['floor_s']:.4g} s)")
+            f"others not measurable); forecast {f['s_per_step']:.4g} s a step (floor {f['floor_s']:.4g} s)")

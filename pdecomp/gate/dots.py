@@ -25,7 +25,6 @@ from pdecomp.gate import calibration, forecast, microbench
 from pdecomp.gate.calibration import Calibration
 from pdecomp.gate.step_cost import Kernel, array_bytes
 
-SMALL_DOT = 0.005  # a dot's share of a step's matmul time below which it is not measured
 PROBE_FIXED_S = 0.2  # a probe's compile and operands on 2 CPU cores: 0.12-0.29 s measured
 GATE_SHARE = 0.1  # of its compile time, what a gate spends measuring the step's dots
 PROBE_RUNS, PROBE_BUDGET_S = 3, 0.05  # a probe's timed runs at least, and more within
@@ -98,9 +97,10 @@ def with_dots(cal: Calibration, ks: list[Kernel], budget_s: float = 1.0) -> Cali
     """`cal` with the seconds of the step's own dots (`dot_seconds`): read from the local
     device's cache, the rest measured now, the dots that take the step longest first, each
     whose probe (`probe_cost_s`) fits in what is left of `budget_s` (those left are forecast
-    at the square products' rate), and cached. Dots under SMALL_DOT of the step's matmul
-    time, together mostly their launches, and a dot that cannot be measured are forecast at
-    that rate too."""
+    at the square products' rate), and cached. A dot that cannot be measured is forecast at
+    that rate too. The smallest are measured as well: that rate puts TMS 5-2's
+    [4096, 5] x [5, 2] at 1 us where it takes 25-100 on this CPU (a row's overhead, not its
+    FLOPs), so a share of the step read from it is no reason to leave a dot out."""
     path = calibration.dots_cache_path(cal.device)
     try:
         cached = {str(k): float(v) for k, v in json.loads(path.read_text()).items()}
@@ -112,10 +112,8 @@ def with_dots(cal: Calibration, ks: list[Kernel], budget_s: float = 1.0) -> Cali
         for sig, f in k.dots:
             once[sig] = f / cal.matmul_rate(k.dtype, f)
             weight[sig] += k.runs * once[sig]
-    start, new, total = time.perf_counter(), {}, sum(weight.values())
+    start, new = time.perf_counter(), {}
     for sig in sorted(weight, key=weight.__getitem__, reverse=True):
-        if weight[sig] < SMALL_DOT * total:
-            break
         left = budget_s - (time.perf_counter() - start)
         if sig in cached or probe_cost_s(sig, once[sig]) > left:
             continue
