@@ -69,6 +69,23 @@ def test_kernel_times_puts_each_kernel_beside_its_forecast(tmp_path, env):
     assert 0 < out["busy_s"] <= out["dots_measured_s"] + out["other_measured_s"] + 1e-9
     assert out["busy_s"] <= max(out["seconds"])  # the kernels ran within the steps
     assert len(out["top"]) == 5 and all(r["forecast_s"] > 0 for r in out["top"])
+    kinds = out["by_kind"]
+    assert {"matmul", "rows < 32 wide"} <= set(kinds)  # TMS 5-2's [4096, 5] loops
+    assert sum(k["measured_s"] for k in kinds.values()) == pytest.approx(
+        out["dots_measured_s"] + out["other_measured_s"])
+    assert sum(out["per_kernel_s"].values()) == pytest.approx(
+        out["dots_measured_s"] + out["other_measured_s"], rel=1e-4)
+    first = tmp_path / "first.json"
+    first.write_text(proc.stdout)
+    again = subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_times.py"), "--top",
+                            "1", "--job", "tms_5-2", "--packed", str(first), "2"],
+                           capture_output=True, text=True,
+                           env={**env, "JAX_PLATFORMS": "cpu"}, check=False, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    packed = json.loads(again.stdout.strip().splitlines()[-1])["packed"]
+    cores = packed["cores"]  # the first run's kernels, spread over this process's cores
+    total = sum(out["per_kernel_s"].values())
+    assert total / cores * (1 - 1e-6) <= packed["s"] <= total * (1 + 1e-6)
     bad = subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_times.py"), "--job",
                           "nope", "3"], capture_output=True, text=True, env=env, check=False)
     assert bad.returncode == 2 and "--job: one of" in bad.stderr
