@@ -103,5 +103,6 @@ def step_dots(run: Run, cal: Calibration) -> str:
     basis = forecast.Basis(cal, fresh_temporaries=False, local=True)
     f = step_report(compiled.as_text(), report.n_devices, 1, None, basis, report.fresh_bytes,
                     dots_budget_s=math.inf)["forecast"]
-    return (f"the step's dots: {f['dots_measured']} of {f['dots']} shapes measured (the "
-            f"others not measurable); forecast {f['s_per_step']:.4g} s a step (floor {f['floor_s']:.4g} s)")
+    rest = " (the others not measurable)" if f["dots_measured"] < f["dots"] else ""
+    return (f"the step's dots: {f['dots_measured']} of {f['dots']} shapes measured{rest}; "
+            f"forecast {f['s_per_step']:.4g} s a step (floor {f['floor_s']:.4g} s)")
