@@ -7,8 +7,10 @@ from microbenchmarks only, never fitted to these jobs; rows go into bench/result
   card's calibration file (pdecomp/gate/calibrations), beside the measured step and the floor
   (the roofline at the card's published rates, pdecomp.gate.step_cost).
 - CPU rows (`--cpu`, `--cpu-job NAME` for some): the TMS 5-2 step and the SmolLM2
-  layer-28 step, and three held out (TMS 40-10, the 1-layer residual MLP, the chunkwise
-  LM method on llama_tiny: chosen after the model was built), measured here
+  layer-28 step, and seven held out (TMS 40-10, the 1-layer residual MLP, the chunkwise
+  LM method on llama_tiny: chosen after the model was built; then TMS 5-2 and 40-10 with
+  identity hidden layers, the 3-layer residual MLP and the published recipe on SmolLM2),
+  measured here
   (bench/time_step.py: the gated executable timed, median of its steps, in three processes;
   in a `pdecomp` job's process, which reuses a step's temporaries, and the first two in a
   library caller's too, `_library`, which maps them anew each step)
@@ -75,8 +77,15 @@ CPU_JOBS = {
     "llama_tiny_chunkwise": (108, ["+experiment=llama_tiny_chunkwise",
                                    "loss.eval_pgd.n_steps=0", "data.eval_batches=0",
                                    "optim.faith_warmup_steps=0"]),
+    "tms_5-2-id": (3000, ["+experiment=tms_5-2-id"]),
+    "tms_40-10-id": (360, ["+experiment=tms_40-10-id"]),
+    "resid_mlp3": (150, ["+experiment=resid_mlp3"]),
+    "smollm2_published": (9, ["+experiment=smollm2_l28_published", "data.source=synthetic",
+                              "loss.eval_pgd.n_steps=0", "data.eval_batches=1",
+                              "optim.faith_warmup_steps=0"]),
 }
-HELD_OUT = ("tms_40-10", "resid_mlp1", "llama_tiny_chunkwise")
+HELD_OUT = ("tms_40-10", "resid_mlp1", "llama_tiny_chunkwise", "tms_5-2-id", "tms_40-10-id",
+            "resid_mlp3", "smollm2_published")
 
 
 def jobs(model: Path | None, data: Path | None) -> dict[str, tuple[str, str, list[str]]]:
